@@ -1,0 +1,577 @@
+"""DataLoaderTuner: measure data starvation inside the fit, log it, and retune the loaders between epochs."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_dltune.config import LoaderConfig
+from lightning_dltune.datamodule import TunableDataModule, _flatten
+from lightning_dltune.gpu import UtilizationSampler
+from lightning_dltune.loader import TunedDataLoader, counters_of, loader_config_of
+from lightning_dltune.measurement import WindowMeter
+from lightning_dltune.policy import Budget, Decision, EpochRecord, PolicySettings, decide
+from lightning_dltune.report import epoch_line, recommend, summary_table, write_recommendation
+from lightning_dltune.resources import rank_budget
+from lightning_dltune.stats import WindowStats
+from lightning_dltune.tensorboard import custom_scalars_layout, tag
+
+UTIL_SOURCE_CHOICES = ("auto", "nvml", "estimate")
+
+
+class _TimedFetches(Iterator):
+    """Times ``next()`` on the fit loop's batch iterator, for loaders that cannot report themselves."""
+
+    def __init__(self, iterator: Iterator, meter: WindowMeter) -> None:
+        self._it = iterator
+        self._meter = meter
+
+    def __next__(self) -> Any:
+        t0 = time.perf_counter()
+        batch = next(self._it)
+        self._meter.record_fetch(time.perf_counter() - t0)
+        return batch
+
+
+def _batch_size_and_bytes(batch: Any) -> tuple[int, int]:
+    """Size and tensor bytes of one batch (read once per epoch, never per batch)."""
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    tensors: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, tensors.append)
+    size = next((int(t.shape[0]) for t in tensors if t.ndim > 0), 1)
+    return size, sum(t.nelement() * t.element_size() for t in tensors)
+
+
+class DataLoaderTuner(Callback):
+    r"""Measure how long training waits for data and keep the accelerator fed by retuning the loaders.
+
+    Every training batch is timed with a few clock reads: the **fetch wait** (the loop blocked in
+    ``next()`` on the train loader; never validation, checkpointing or logging) and the **step time**
+    (``on_train_batch_start`` to ``on_train_batch_end``). At each epoch end (after validation) the
+    callback reduces them across ranks, logs them, and asks the band policy for the next loader
+    config; with a :class:`~lightning_dltune.TunableDataModule` the train and val loaders are rebuilt
+    with it at the next epoch start.
+
+    Logged per epoch under ``dltune/`` (TensorBoard gets a ready ``dltune`` custom-scalars section;
+    any other Lightning logger gets the same scalars):
+
+    - ``starvation_ratio``: Σ fetch wait / Σ (fetch wait + step time); the max over ranks.
+    - ``gpu_util``: NVML utilization of this rank's device over the training part of the epoch, min
+      over ranks; where NVML cannot serve it, the estimate ``1 - starvation_ratio``.
+      ``util_from_nvml`` is 1 or 0 accordingly; ``band_low`` / ``band_high`` draw the band.
+    - ``fetch_wait_ms``, ``fetch_wait_p50_ms``, ``fetch_wait_p95_ms``, ``step_ms``, ``step_p50_ms``,
+      ``step_p95_ms``: per-batch mean and percentiles.
+    - ``stalls``, ``stall_fraction``: fetches that found no ready batch. Exact for loaders built by
+      :class:`~lightning_dltune.TunableDataModule`; for other loaders a fetch that waited more than
+      ``stall_threshold_ms``.
+    - ``queue_depth``: mean ready batches at request time (tunable loaders only).
+    - ``samples_per_s``, ``startup_ms`` (loader start-up and pipeline fill, never counted as fetch
+      wait), ``worker_batch_ms`` (a worker's time to make one batch, tunable loaders only).
+    - ``num_workers``, ``prefetch_factor``, ``rebuilds``; and, in TensorBoard, the verdict and reason
+      as text (``dltune/decision``).
+    - With ``log_every_n_steps``: ``dltune/step/starvation_ratio``, ``dltune/step/fetch_wait_ms``,
+      ``dltune/step/step_ms``, ``dltune/step/stalls`` over the last ``n`` steps of rank zero.
+
+    The console gets one line per epoch and, at the end of fit, a table and the recommended config,
+    also written to ``dltune_recommendation.yaml`` in the log dir as a LightningCLI config fragment.
+
+    Args:
+        tune: rebuild the loaders of a :class:`~lightning_dltune.TunableDataModule`. ``False``:
+            measure, log and recommend only.
+        band: GPU utilization range ``(low, high)`` to hold, ``0 < low < high <= 1``.
+        util_source: ``"auto"`` (NVML where it serves this device, else the estimate), ``"nvml"``
+            (warn once if NVML cannot serve, then estimate) or ``"estimate"`` (never touch NVML).
+        stall_threshold_ms: for loaders that cannot report their queue, a fetch waiting longer than
+            this is a stall.
+        log_every_n_steps: also log step-granularity metrics every ``n`` optimizer steps; ``0``: off.
+        max_workers: most workers per rank; ``None``: usable CPUs (affinity and cgroup quota) shared
+            among the node's ranks, one left for the training process.
+        memory_fraction: share of available RAM (and cgroup headroom) prefetched batches may hold.
+        shm_fraction: share of free ``/dev/shm`` prefetched batches may hold.
+        max_rebuilds: most config changes in one fit.
+        min_gain: relative throughput gain that makes a change worth keeping.
+        max_prefetch_factor: deepest prefetch the tuner picks.
+        nvml_poll_interval_s: seconds between NVML reads during training.
+        verbose: print the per-epoch line and the final table.
+        recommendation_file: write ``dltune_recommendation.yaml`` in the log dir at the end of fit.
+
+    Raises:
+        ValueError: for a band not inside ``(0, 1]`` with ``low < high``, an unknown ``util_source``,
+            a negative threshold, interval or count, or fractions outside ``(0, 1]``.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning.pytorch.loggers import TensorBoardLogger
+        from lightning_dltune import DataLoaderTuner
+
+        trainer = Trainer(callbacks=[DataLoaderTuner(band=(0.85, 0.95))], logger=TensorBoardLogger("logs"))
+        trainer.fit(model, datamodule=datamodule)
+        print(trainer.callbacks[0].history[-1])
+    """
+
+    def __init__(
+        self,
+        tune: bool = True,
+        band: Sequence[float] = (0.85, 0.95),
+        util_source: str = "auto",
+        stall_threshold_ms: float = 1.0,
+        log_every_n_steps: int = 0,
+        max_workers: Optional[int] = None,
+        memory_fraction: float = 0.5,
+        shm_fraction: float = 0.5,
+        max_rebuilds: int = 10,
+        min_gain: float = 0.05,
+        max_prefetch_factor: int = 8,
+        nvml_poll_interval_s: float = 5.0,
+        verbose: bool = True,
+        recommendation_file: bool = True,
+    ) -> None:
+        super().__init__()
+        band = tuple(band)
+        if len(band) != 2 or not all(isinstance(x, (int, float)) for x in band) or not 0 < band[0] < band[1] <= 1:
+            raise ValueError(f"`band` must be two numbers (low, high) with 0 < low < high <= 1, got {band!r}.")
+        if util_source not in UTIL_SOURCE_CHOICES:
+            raise ValueError(f"`util_source` must be one of {UTIL_SOURCE_CHOICES}, got {util_source!r}.")
+        _check_non_negative("stall_threshold_ms", stall_threshold_ms)
+        _check_non_negative("nvml_poll_interval_s", nvml_poll_interval_s)
+        _check_count("log_every_n_steps", log_every_n_steps, minimum=0)
+        _check_count("max_rebuilds", max_rebuilds, minimum=0)
+        _check_count("max_prefetch_factor", max_prefetch_factor, minimum=1)
+        if max_workers is not None:
+            _check_count("max_workers", max_workers, minimum=0)
+        for name, value in (("memory_fraction", memory_fraction), ("shm_fraction", shm_fraction)):
+            if not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
+        if not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
+            raise ValueError(f"`min_gain` must be in [0, 1), got {min_gain!r}.")
+
+        self.tune = tune
+        self.band = (float(band[0]), float(band[1]))
+        self.util_source = util_source
+        self.log_every_n_steps = log_every_n_steps
+        self.max_workers = max_workers
+        self.memory_fraction = memory_fraction
+        self.shm_fraction = shm_fraction
+        self.nvml_poll_interval_s = nvml_poll_interval_s
+        self.verbose = verbose
+        self.recommendation_file = recommendation_file
+        self.settings = PolicySettings(
+            band=self.band, max_rebuilds=max_rebuilds, min_gain=min_gain, max_prefetch_factor=max_prefetch_factor
+        )
+
+        self.history: list[EpochRecord] = []
+        """One :class:`~lightning_dltune.policy.EpochRecord` per epoch: config, stats, verdict, reason."""
+        self.rebuilds = 0
+        self.recommended_config: Optional[LoaderConfig] = None
+        self.recommendation_path: Optional[str] = None
+
+        self._meter = WindowMeter(stall_threshold_s=stall_threshold_ms / 1000.0)
+        self._sampler: Optional[UtilizationSampler] = None
+        self._datamodule: Optional[TunableDataModule] = None
+        self._config: Optional[LoaderConfig] = None  # config of the epoch being measured
+        self._restored_config: Optional[LoaderConfig] = None
+        self._budget: Optional[Budget] = None
+        self._worker_cap: Optional[int] = None  # lowered when a rebuild failed
+        self._tuned_loaders = False
+        self._epoch_started = 0.0
+        self._step_started = 0.0
+        self._first_batch = True
+        self._batch_size = 0
+        self._batch_bytes: Optional[int] = None
+        self._counter_marks: list[tuple[Any, tuple[float, float, float]]] = []
+        self._last_step_logged = -1
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ set-up and tear-down
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        datamodule = trainer.datamodule
+        self._datamodule = datamodule if isinstance(datamodule, TunableDataModule) else None
+        if self.tune and self._datamodule is None:
+            self._say_once(
+                "no-mixin",
+                "DataLoaderTuner: the datamodule is not a TunableDataModule, so its loaders cannot be rebuilt;"
+                " measuring, logging and recommending only.",
+            )
+        device = trainer.strategy.root_device
+        self._sampler = UtilizationSampler(
+            None if self.util_source == "estimate" else device, poll_interval_s=self.nvml_poll_interval_s
+        )
+        if self.util_source == "nvml" and not self._sampler.available:
+            rank_zero_warn(
+                f"DataLoaderTuner(util_source='nvml'): NVML cannot serve {device}"
+                f" ({self._sampler.unavailable_reason}); using the estimate 1 - starvation_ratio."
+            )
+        elif self.util_source == "auto" and not self._sampler.available and device.type == "cuda":
+            self._say_once("estimate", f"DataLoaderTuner: GPU utilization is estimated ({self._sampler.unavailable_reason}).")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._datamodule is not None and self._restored_config is not None and self.tune:
+            self._datamodule.set_loader_config(self._restored_config)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_custom_scalars(custom_scalars_layout())
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
+        for loader in _flatten(trainer.train_dataloader):
+            if isinstance(loader, TunedDataLoader):
+                loader.fetch_recorder = None
+
+    # ------------------------------------------------------------------ per-epoch measurement
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._datamodule is not None and self.tune:
+            self.rebuilds += self._datamodule.rebuild_loaders(on_failure=self._on_rebuild_failure)
+        self._meter.reset()
+        self._counter_marks = []
+        train_loaders = _flatten(trainer.train_dataloader)
+        self._tuned_loaders = bool(train_loaders) and all(isinstance(dl, TunedDataLoader) for dl in train_loaders)
+        for loader in train_loaders:
+            if isinstance(loader, TunedDataLoader):
+                loader.fetch_recorder = self._meter
+                counters = counters_of(loader)
+                if counters is not None:
+                    self._counter_marks.append((counters, counters.totals()))
+        self._config = self._current_config(train_loaders)
+        self._first_batch = True
+        self._batch_bytes = None
+        if self._sampler is not None:
+            self._sampler.start_window()
+        self._epoch_started = time.perf_counter()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._first_batch:
+            self._on_first_batch(trainer, batch, now)
+        self._step_started = now
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        self._meter.record_step(now - self._step_started)
+        if self._sampler is not None:
+            self._sampler.maybe_poll(now)
+        if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
+            self._log_step_metrics(trainer)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._sampler is not None:
+            self._sampler.pause()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._sampler is not None:
+            self._sampler.resume()
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._config is None:
+            return
+        stats = self._reduce(trainer, pl_module, self._local_stats())
+        if stats.batches == 0:
+            return
+        budget = self._reduce_budget(trainer, pl_module)
+        decision = decide(self._config, stats, budget, self.history, self.settings)
+        decision = trainer.strategy.broadcast(decision, src=0)
+        record = EpochRecord(
+            epoch=trainer.current_epoch,
+            config=self._config,
+            stats=stats,
+            verdict=decision.verdict,
+            reason=decision.reason,
+            next_config=decision.config,
+        )
+        self.history.append(record)
+        if self._datamodule is not None and self.tune:
+            self._datamodule.mark_config_good()
+            if record.changed:
+                self._datamodule.set_loader_config(decision.config)
+        if trainer.is_global_zero:
+            self._log_epoch(trainer, record)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        best = recommend(self.history, self.settings.min_gain)
+        if best is None:
+            return
+        self.recommended_config = best.config
+        if not trainer.is_global_zero:
+            return
+        if self.verbose:
+            rank_zero_info(summary_table(self.history, best))
+        if self.recommendation_file:
+            directory = trainer.log_dir or trainer.default_root_dir
+            note = f"measured {best.samples_per_s:,.0f} samples/s at epoch {best.epoch} ({best.verdict})"
+            self.recommendation_path = write_recommendation(directory, best.config, note)
+            if self.verbose:
+                rank_zero_info(f"[dltune] recommendation written to {self.recommendation_path}")
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        current = self.history[-1].next_config if self.history else self._config
+        return {
+            "config": current.as_dict() if current is not None else None,
+            "rebuilds": self.rebuilds,
+            "history": [_record_to_dict(r) for r in self.history],
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        config = state_dict.get("config")
+        self._restored_config = LoaderConfig(**config) if config else None
+        self.rebuilds = state_dict.get("rebuilds", 0)
+        self.history = [_record_from_dict(d) for d in state_dict.get("history", [])]
+
+    # ------------------------------------------------------------------ internals
+    def _on_first_batch(self, trainer: pl.Trainer, batch: Any, now: float) -> None:
+        self._first_batch = False
+        size, nbytes = _batch_size_and_bytes(batch)
+        self._batch_size, self._batch_bytes = size, nbytes
+        if self._tuned_loaders:
+            return  # the loaders report start-up and fetches themselves
+        self._meter.record_startup(now - self._epoch_started)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        iterator = getattr(fetcher, "iterator", None)
+        if iterator is not None and not isinstance(iterator, _TimedFetches):
+            fetcher.iterator = _TimedFetches(iterator, self._meter)
+        elif iterator is None:
+            self._say_once("no-fetcher", "DataLoaderTuner: cannot time fetches with this Lightning version.")
+
+    def _current_config(self, train_loaders: list) -> Optional[LoaderConfig]:
+        if self._datamodule is not None:
+            return self._datamodule.loader_config
+        loaders = [dl for dl in train_loaders if isinstance(dl, torch.utils.data.DataLoader)]
+        if loaders:
+            return loader_config_of(loaders[0])
+        return LoaderConfig() if train_loaders else None
+
+    def _local_stats(self) -> WindowStats:
+        worker_batch_s = worker_cpu_fraction = None
+        batches = wall = cpu = 0.0
+        for counters, (b0, w0, c0) in self._counter_marks:
+            b1, w1, c1 = counters.totals()
+            batches, wall, cpu = batches + b1 - b0, wall + w1 - w0, cpu + c1 - c0
+        if batches > 0:
+            worker_batch_s = wall / batches
+            worker_cpu_fraction = min(1.0, cpu / wall) if wall > 0 else None
+        gpu_util = self._sampler.window_mean() if self._sampler is not None else None
+        return self._meter.window_stats(
+            batch_size=self._batch_size,
+            worker_batch_s=worker_batch_s,
+            worker_cpu_fraction=worker_cpu_fraction,
+            batch_bytes=self._batch_bytes,
+            gpu_util=gpu_util,
+        )
+
+    def _reduce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, s: WindowStats) -> WindowStats:
+        """Starvation and waits: the most starved rank; utilization: the least busy; counts: summed."""
+        if trainer.world_size <= 1:
+            return s
+        unknown = -1.0
+        opt = lambda v: unknown if v is None else float(v)  # noqa: E731
+        device = pl_module.device
+        # the most starved rank holds the others at the all-reduce, so its numbers are the job's
+        worst = torch.tensor(
+            [s.starvation_ratio, s.fetch_wait_mean_s, s.fetch_wait_p50_s, s.fetch_wait_p95_s, s.step_p50_s,
+             s.step_p95_s, s.startup_s, opt(s.worker_batch_s), opt(s.worker_cpu_fraction), opt(s.batch_bytes),
+             s.step_mean_s],
+            dtype=torch.float64, device=device,
+        )
+        least = torch.tensor(
+            [math.inf if s.gpu_util is None else s.gpu_util, math.inf if s.queue_depth is None else s.queue_depth],
+            dtype=torch.float64, device=device,
+        )
+        total = torch.tensor([s.batches, s.samples, s.stalls, s.fetches], dtype=torch.float64, device=device)
+        worst = trainer.strategy.reduce(worst, reduce_op="max").tolist()
+        least = trainer.strategy.reduce(least, reduce_op="min").tolist()
+        total = trainer.strategy.reduce(total, reduce_op="sum").tolist()
+        back = lambda v: None if v == unknown else v  # noqa: E731
+        starvation, fetch_mean, f50, f95, s50, s95, startup, wbs, wcpu, bbytes, step_mean = worst
+        batches = int(round(total[0]))
+        # per-batch sums rebuilt so that the reduced starvation ratio is the worst rank's
+        step_s = step_mean * batches
+        fetch_s = step_s * starvation / (1.0 - starvation) if starvation < 1.0 else fetch_mean * batches
+        return WindowStats(
+            batches=batches,
+            samples=int(round(total[1])),
+            fetch_wait_s=fetch_s,
+            step_s=step_s,
+            fetch_wait_p50_s=f50,
+            fetch_wait_p95_s=f95,
+            step_p50_s=s50,
+            step_p95_s=s95,
+            stalls=int(round(total[2])),
+            fetches=int(round(total[3])),
+            queue_depth=None if math.isinf(least[1]) else least[1],
+            startup_s=startup,
+            worker_batch_s=back(wbs),
+            worker_cpu_fraction=back(wcpu),
+            batch_bytes=None if bbytes == unknown else int(bbytes),
+            gpu_util=None if math.isinf(least[0]) else least[0],
+            util_source="estimate" if math.isinf(least[0]) else "nvml",
+        )
+
+    def _reduce_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
+        local = rank_budget(
+            local_ranks=max(1, trainer.num_devices),
+            max_workers=self.max_workers,
+            memory_fraction=self.memory_fraction,
+            shm_fraction=self.shm_fraction,
+        )
+        max_workers = local.max_workers if self._worker_cap is None else min(local.max_workers, self._worker_cap)
+        if trainer.world_size <= 1:
+            return Budget(max_workers, local.memory_bytes, local.shm_bytes, local.cpus)
+        values = torch.tensor(
+            [max_workers, _or_inf(local.memory_bytes), _or_inf(local.shm_bytes), local.cpus],
+            dtype=torch.float64, device=pl_module.device,
+        )
+        w, mem, shm, cpus = trainer.strategy.reduce(values, reduce_op="min").tolist()
+        return Budget(int(w), None if math.isinf(mem) else mem, None if math.isinf(shm) else shm, cpus)
+
+    def _on_rebuild_failure(self, previous: LoaderConfig, exc: BaseException) -> None:
+        failed = self._config
+        if failed is not None and failed.num_workers > previous.num_workers:
+            self._worker_cap = failed.num_workers - 1
+        self._config = previous
+        self._say_once(
+            "rebuild-failed",
+            f"DataLoaderTuner: the rebuilt loader failed to start ({type(exc).__name__}: {str(exc)[:200]});"
+            f" went back to {previous.short()} and the fit goes on.",
+            warn=True,
+            all_ranks=True,
+        )
+
+    def _log_epoch(self, trainer: pl.Trainer, record: EpochRecord) -> None:
+        s = record.stats
+        metrics = {
+            "starvation_ratio": s.starvation_ratio,
+            "gpu_util": s.utilization,
+            "util_from_nvml": 1.0 if s.util_source == "nvml" else 0.0,
+            "band_low": self.band[0],
+            "band_high": self.band[1],
+            "fetch_wait_ms": 1e3 * s.fetch_wait_mean_s,
+            "fetch_wait_p50_ms": 1e3 * s.fetch_wait_p50_s,
+            "fetch_wait_p95_ms": 1e3 * s.fetch_wait_p95_s,
+            "step_ms": 1e3 * s.step_mean_s,
+            "step_p50_ms": 1e3 * s.step_p50_s,
+            "step_p95_ms": 1e3 * s.step_p95_s,
+            "stalls": float(s.stalls),
+            "stall_fraction": s.stall_fraction,
+            "samples_per_s": s.samples_per_s,
+            "startup_ms": 1e3 * s.startup_s,
+            "num_workers": float(record.config.num_workers),
+            "prefetch_factor": float(record.config.prefetch_factor),
+            "rebuilds": float(self.rebuilds),
+        }
+        if s.queue_depth is not None:
+            metrics["queue_depth"] = s.queue_depth
+        if s.worker_batch_s is not None:
+            metrics["worker_batch_ms"] = 1e3 * s.worker_batch_s
+        metrics = {tag(k): v for k, v in metrics.items()}
+        step = trainer.global_step
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("dltune/decision", _decision_markdown(record, self.tune), step)
+        if self.verbose:
+            rank_zero_info(epoch_line(record, tuning=self.tune and self._datamodule is not None))
+
+    def _log_step_metrics(self, trainer: pl.Trainer) -> None:
+        meter = self._meter
+        step = trainer.global_step
+        if step == self._last_step_logged or meter.interval_batches == 0:
+            return
+        self._last_step_logged = step
+        if trainer.is_global_zero:
+            busy = meter.interval_fetch_wait_s + meter.interval_step_s
+            n = meter.interval_batches
+            metrics = {
+                tag("step/starvation_ratio"): meter.interval_fetch_wait_s / busy if busy > 0 else 0.0,
+                tag("step/fetch_wait_ms"): 1e3 * meter.interval_fetch_wait_s / n,
+                tag("step/step_ms"): 1e3 * meter.interval_step_s / n,
+                tag("step/stalls"): float(meter.interval_stalls),
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+        meter.reset_interval()
+
+    def _say_once(self, key: str, message: str, warn: bool = False, all_ranks: bool = False) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        if all_ranks and warn:
+            import warnings
+
+            warnings.warn(message, stacklevel=2)
+        elif warn:
+            rank_zero_warn(message)
+        else:
+            rank_zero_info(message)
+
+
+def _check_non_negative(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
+        raise ValueError(f"`{name}` must be a number >= 0, got {value!r}.")
+
+
+def _check_count(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+
+def _or_inf(value: Optional[float]) -> float:
+    return math.inf if value is None else float(value)
+
+
+def _decision_markdown(record: EpochRecord, tuning: bool) -> str:
+    action = "keep" if not record.changed else ("rebuild with" if tuning else "would try") + f" {record.next_config.short()}"
+    return (
+        f"**epoch {record.epoch}**: {record.verdict}, {record.config.short()} → {action}  \n"
+        f"{record.reason}"
+    )
+
+
+def _record_to_dict(record: EpochRecord) -> dict[str, Any]:
+    return {
+        "epoch": record.epoch,
+        "config": record.config.as_dict(),
+        "stats": {k: v for k, v in vars(record.stats).items()},
+        "verdict": record.verdict,
+        "reason": record.reason,
+        "next_config": record.next_config.as_dict(),
+    }
+
+
+def _record_from_dict(d: dict[str, Any]) -> EpochRecord:
+    known = set(WindowStats.__dataclass_fields__)
+    return EpochRecord(
+        epoch=d.get("epoch", 0),
+        config=LoaderConfig(**d["config"]),
+        stats=WindowStats(**{k: v for k, v in d.get("stats", {}).items() if k in known}),
+        verdict=d.get("verdict", ""),
+        reason=d.get("reason", ""),
+        next_config=LoaderConfig(**d.get("next_config", d["config"])),
+    )
