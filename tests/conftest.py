@@ -1,0 +1,22 @@
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+
+
+@pytest.fixture
+def trainer_kwargs(tmp_path):
+    """Quiet, CPU-only Trainer arguments in ``tmp_path``."""
+    return dict(
+        default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        num_sanity_val_steps=0,
+    )

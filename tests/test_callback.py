@@ -1,0 +1,164 @@
+"""DataLoaderTuner in real CPU fits: what it logs, where, and how it handles odd fits and bad input."""
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune.tensorboard import layout_tags
+from tb_events import layout, scalars, texts
+from workloads import CountingIterable, SleepStepModule, SleepyDataModule
+
+EPOCH_TAGS = [
+    "dltune/starvation_ratio", "dltune/gpu_util", "dltune/util_from_nvml", "dltune/band_low", "dltune/band_high",
+    "dltune/fetch_wait_ms", "dltune/fetch_wait_p50_ms", "dltune/fetch_wait_p95_ms", "dltune/step_ms",
+    "dltune/step_p50_ms", "dltune/step_p95_ms", "dltune/stalls", "dltune/stall_fraction", "dltune/queue_depth",
+    "dltune/samples_per_s", "dltune/startup_ms", "dltune/worker_batch_ms", "dltune/num_workers",
+    "dltune/prefetch_factor", "dltune/rebuilds",
+]
+
+
+def _small_fit(trainer_kwargs, tuner, dm=None, model=None, **overrides):
+    dm = dm or SleepyDataModule(train_length=48, val_length=16, batch_cost_s=0.004, batch_size=4)
+    model = model or SleepStepModule(step_s=0.002)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **{**trainer_kwargs, **overrides})
+    trainer.fit(model, datamodule=dm)
+    return trainer
+
+
+def test_tensorboard_gets_the_layout_every_scalar_and_the_decisions(trainer_kwargs, tmp_path):
+    tuner = DataLoaderTuner(log_every_n_steps=4, verbose=False)
+    _small_fit(trainer_kwargs, tuner, logger=TensorBoardLogger(str(tmp_path / "tb")))
+    logged = scalars(str(tmp_path / "tb"))
+    for name in EPOCH_TAGS:
+        assert len(logged[name]) == 2, name  # one point per epoch
+    assert all(t in logged for t in ["dltune/step/starvation_ratio", "dltune/step/fetch_wait_ms"])
+    charts = {c.title: c for c in layout(str(tmp_path / "tb")).category[0].chart}
+    assert layout(str(tmp_path / "tb")).category[0].title == "dltune"
+    margin = charts["GPU utilization vs band"].margin.series[0]
+    assert (margin.value, margin.lower, margin.upper) == ("dltune/gpu_util", "dltune/band_low", "dltune/band_high")
+    assert set(layout_tags()) <= set(logged)  # every panel has data
+    decisions = texts(str(tmp_path / "tb"))
+    assert len(decisions) == 2 and "epoch 0" in decisions[0]
+    assert logged["dltune/band_low"][0][1] == pytest.approx(0.85)
+
+
+def test_other_loggers_get_the_same_metric_names(trainer_kwargs, tmp_path):
+    tuner = DataLoaderTuner(verbose=False)
+    trainer = _small_fit(trainer_kwargs, tuner, logger=CSVLogger(str(tmp_path)))
+    import csv
+
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        header = next(csv.reader(f))
+    assert set(EPOCH_TAGS) <= set(header)
+
+
+def test_fit_without_logger_prints_one_line_per_epoch_and_a_table(trainer_kwargs, caplog):
+    tuner = DataLoaderTuner()
+    with caplog.at_level(logging.INFO):
+        _small_fit(trainer_kwargs, tuner)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[dltune] epoch")]
+    assert len(lines) == 2
+    assert "starvation" in lines[0] and "samples/s" in lines[0] and "(estimate)" in lines[0]
+    assert any("recommended: workers=" in r.getMessage() for r in caplog.records)
+    assert len(tuner.history) == 2
+
+
+def test_history_holds_what_users_read(trainer_kwargs):
+    tuner = DataLoaderTuner(verbose=False)
+    _small_fit(trainer_kwargs, tuner)
+    record = tuner.history[0]
+    assert record.epoch == 0 and record.num_workers == 0 and record.prefetch_factor == 2
+    assert 0 < record.starvation_ratio < 1 and 0 < record.gpu_util < 1
+    assert record.util_source == "estimate" and record.stalls > 0 and record.samples_per_s > 0
+    assert record.verdict and record.reason
+
+
+def test_zero_train_batches_does_not_break(trainer_kwargs):
+    tuner = DataLoaderTuner(verbose=False)
+    _small_fit(trainer_kwargs, tuner, limit_train_batches=0)
+    assert tuner.history == []
+
+
+class _IterableModule(SleepStepModule):
+    def train_dataloader(self):
+        return DataLoader(CountingIterable(32), batch_size=4, num_workers=2)
+
+
+def test_iterable_dataset_without_len(trainer_kwargs):
+    tuner = DataLoaderTuner(verbose=False)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], limit_val_batches=0, **trainer_kwargs)
+    trainer.fit(_IterableModule())
+    assert [r.stats.samples for r in tuner.history] == [32, 32]
+
+
+class _TupleModule(SleepStepModule):
+    def train_dataloader(self):
+        data = TensorDataset(torch.randn(40, 8), torch.arange(40))
+        return DataLoader(data, batch_size=5)
+
+
+def test_tuple_batches(trainer_kwargs):
+    tuner = DataLoaderTuner(verbose=False)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[tuner], limit_val_batches=0, **trainer_kwargs)
+    trainer.fit(_TupleModule())
+    assert tuner.history[0].stats.samples == 40 and tuner.history[0].stats.batch_bytes == 5 * (8 * 4 + 8)
+
+
+def test_monitor_only_datamodule_without_mixin_says_so_once(trainer_kwargs, caplog):
+    tuner = DataLoaderTuner()
+    with caplog.at_level(logging.INFO):
+        trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], limit_val_batches=0, **trainer_kwargs)
+        trainer.fit(_TupleModule())
+    said = [r for r in caplog.records if "not a TunableDataModule" in r.getMessage()]
+    assert len(said) == 1
+    assert {r.num_workers for r in tuner.history} == {0}
+
+
+def test_util_source_nvml_without_a_gpu_warns_and_estimates(trainer_kwargs):
+    tuner = DataLoaderTuner(util_source="nvml", verbose=False)
+    with pytest.warns(UserWarning, match="NVML cannot serve"):
+        _small_fit(trainer_kwargs, tuner)
+    assert tuner.history[-1].util_source == "estimate"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        (dict(band=(0.9, 0.8)), "band"),
+        (dict(band=(0.0, 0.9)), "band"),
+        (dict(band=(0.5, 1.2)), "band"),
+        (dict(band=(0.5,)), "band"),
+        (dict(util_source="nvidia-smi"), "util_source"),
+        (dict(stall_threshold_ms=-1), "stall_threshold_ms"),
+        (dict(log_every_n_steps=-5), "log_every_n_steps"),
+        (dict(max_workers=-1), "max_workers"),
+        (dict(memory_fraction=0), "memory_fraction"),
+        (dict(shm_fraction=1.5), "shm_fraction"),
+        (dict(max_rebuilds=-1), "max_rebuilds"),
+        (dict(max_prefetch_factor=0), "max_prefetch_factor"),
+        (dict(min_gain=1.0), "min_gain"),
+        (dict(nvml_poll_interval_s=-0.1), "nvml_poll_interval_s"),
+    ],
+)
+def test_bad_arguments_raise_at_construction_naming_the_argument(kwargs, names):
+    with pytest.raises(ValueError, match=f"`{names}`"):
+        DataLoaderTuner(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        (dict(num_workers=-1), "num_workers"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(prefetch_factor=0), "prefetch_factor"),
+        (dict(loader_kwargs={"num_workers": 2}), "loader_kwargs"),
+    ],
+)
+def test_bad_datamodule_arguments_raise_at_construction(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        SleepyDataModule(**kwargs)

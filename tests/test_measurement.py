@@ -1,0 +1,121 @@
+"""Measured fetch wait, step time and starvation against ground truth, in real CPU fits.
+
+The accelerator step is emulated with a sleep in the training process and each batch costs a known
+sleep to produce, so the truth per batch is known: with 0 workers the loop waits the whole batch
+cost; with W serial workers the steady-state period is max(step, cost / W).
+"""
+
+import lightning.pytorch as pl
+import pytest
+from torch.utils.data import DataLoader
+
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune.measurement import WindowMeter
+from workloads import SleepStepModule, SleepyDataModule, SleepyDataset, steady_truth
+
+BATCH = 4
+PREFETCH = 2
+BATCHES = 50
+CASES = {0: (0.04, 0.04), 2: (0.16, 0.04)}  # workers: (batch cost, step) -> starvation 0.5 both
+
+
+class PlainLoaderModule(SleepStepModule):
+    """A module with its own plain DataLoaders: what the tuner sees in a project without the mixin."""
+
+    def __init__(self, workers, batch_cost_s, batches, **kwargs):
+        super().__init__(**kwargs)
+        self.workers, self.batch_cost_s, self.batches = workers, batch_cost_s, batches
+
+    def train_dataloader(self):
+        ds = SleepyDataset(self.batches * BATCH, batch_cost_s=self.batch_cost_s)
+        return DataLoader(ds, batch_size=BATCH, num_workers=self.workers, persistent_workers=self.workers > 0,
+                          prefetch_factor=PREFETCH if self.workers else None)
+
+    def val_dataloader(self):
+        return DataLoader(SleepyDataset(2 * BATCH), batch_size=BATCH)
+
+
+def _fit(trainer_kwargs, workers, validation, plain=False, batches=BATCHES):
+    cost, step = CASES[workers]
+    tuner = DataLoaderTuner(tune=False, verbose=False, recommendation_file=False)
+    val_kwargs = dict(limit_val_batches=0)
+    val_step_s = 0.0
+    if validation:
+        # two 1-second validations per epoch: one mid-epoch, one at the end
+        val_kwargs = dict(val_check_interval=0.5)
+        val_step_s = 0.5
+    if plain:
+        model, dm = PlainLoaderModule(workers, cost, batches, step_s=step, val_step_s=val_step_s), None
+    else:
+        model = SleepStepModule(step_s=step, val_step_s=val_step_s)
+        dm = SleepyDataModule(train_length=batches * BATCH, val_length=2 * BATCH, batch_cost_s=cost,
+                              batch_size=BATCH, num_workers=workers, prefetch_factor=PREFETCH, shuffle=False)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[tuner], **{**trainer_kwargs, **val_kwargs})
+    trainer.fit(model, datamodule=dm)
+    assert len(tuner.history) == 1
+    wait, step = steady_truth(cost, step, workers)
+    if validation and workers:
+        # While validation runs, the train workers fill their queue (workers x prefetch batches); the
+        # loop then takes those without waiting, which saves one production period per batch
+        # queued. That time really was not spent waiting, so it is part of the truth.
+        period = wait + step
+        wait -= workers * PREFETCH * period / (batches - 1)
+    return tuner.history[0].stats, (wait, step)
+
+
+def _assert_close_to_truth(stats, truth):
+    wait, step = truth
+    assert stats.fetch_wait_mean_s == pytest.approx(wait, rel=0.10)
+    assert stats.step_mean_s == pytest.approx(step, rel=0.10)
+    assert abs(stats.starvation_ratio - wait / (wait + step)) <= 0.05
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_fetch_wait_step_time_and_starvation_match_truth(trainer_kwargs, workers):
+    stats, truth = _fit(trainer_kwargs, workers, validation=False)
+    _assert_close_to_truth(stats, truth)
+    assert stats.batches == BATCHES
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_validation_mid_epoch_and_at_epoch_end_is_not_fetch_wait(trainer_kwargs, workers):
+    stats, truth = _fit(trainer_kwargs, workers, validation=True)
+    # 2 s of validation inside a ~4 s epoch: counted as fetch wait, it would wreck these bounds
+    _assert_close_to_truth(stats, truth)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_plain_dataloaders_are_measured_as_accurately(trainer_kwargs, workers):
+    stats, truth = _fit(trainer_kwargs, workers, validation=True, plain=True)
+    _assert_close_to_truth(stats, truth)
+
+
+def test_worker_startup_is_reported_apart_from_fetch_wait(trainer_kwargs):
+    stats, _ = _fit(trainer_kwargs, 2, validation=False, batches=20)
+    # the first batch needs a whole batch cost (160 ms) after the workers start: that is start-up
+    assert stats.startup_s >= 0.16
+    assert stats.fetch_wait_p95_s < 0.16
+
+
+def test_stalls_are_exact_for_tunable_loaders(trainer_kwargs):
+    stats, _ = _fit(trainer_kwargs, 0, validation=False, batches=20)
+    # with no workers every batch is made on demand: every fetch is a stall, nothing is ever ready
+    assert stats.stalls == stats.fetches == 19
+    assert stats.queue_depth == 0
+
+
+def test_worker_side_batch_cost_is_measured_in_the_workers(trainer_kwargs):
+    stats, _ = _fit(trainer_kwargs, 2, validation=False, batches=20)
+    assert stats.worker_batch_s == pytest.approx(0.16, rel=0.10)
+    assert stats.worker_cpu_fraction < 0.3  # a sleep is not CPU work
+
+
+def test_meter_counts_stalls_by_threshold_when_the_queue_is_unknown():
+    meter = WindowMeter(stall_threshold_s=0.002)
+    for wait in (0.0001, 0.0005, 0.003, 0.010):
+        meter.record_fetch(wait)
+        meter.record_step(0.01)
+    stats = meter.window_stats(batch_size=4)
+    assert stats.stalls == 2 and stats.fetches == 4
+    assert stats.queue_depth is None
+    assert stats.samples == 16
