@@ -317,12 +317,12 @@ class DataLoaderTuner(Callback):
         if best is None:
             return
         self.recommended_config = best.config
+        directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
         if not trainer.is_global_zero:
             return
         if self.verbose:
             rank_zero_info(summary_table(self.history, best))
         if self.recommendation_file:
-            directory = trainer.log_dir or trainer.default_root_dir
             note = f"measured {best.samples_per_s:,.0f} samples/s at epoch {best.epoch} ({best.verdict})"
             self.recommendation_path = write_recommendation(directory, best.config, note)
             if self.verbose:
@@ -387,51 +387,44 @@ class DataLoaderTuner(Callback):
         )
 
     def _reduce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, s: WindowStats) -> WindowStats:
-        """Starvation and waits: the most starved rank; utilization: the least busy; counts: summed."""
+        """The job's stats: those of the most starved rank, with every rank's samples and the lowest utilization.
+
+        A starved rank holds the others at the gradient all-reduce, where they look busy, so its
+        fetch waits and step times are the ones that explain the job's speed.
+        """
         if trainer.world_size <= 1:
             return s
-        unknown = -1.0
-        opt = lambda v: unknown if v is None else float(v)  # noqa: E731
-        device = pl_module.device
-        # the most starved rank holds the others at the all-reduce, so its numbers are the job's
-        worst = torch.tensor(
-            [s.starvation_ratio, s.fetch_wait_mean_s, s.fetch_wait_p50_s, s.fetch_wait_p95_s, s.step_p50_s,
-             s.step_p95_s, s.startup_s, opt(s.worker_batch_s), opt(s.worker_cpu_fraction), opt(s.batch_bytes),
-             s.step_mean_s],
-            dtype=torch.float64, device=device,
+        nan = math.nan
+        opt = lambda v: nan if v is None else float(v)  # noqa: E731
+        row = torch.tensor(
+            [s.starvation_ratio, s.batches, s.samples, s.fetch_wait_s, s.step_s, s.fetch_wait_p50_s,
+             s.fetch_wait_p95_s, s.step_p50_s, s.step_p95_s, s.stalls, s.fetches, opt(s.queue_depth), s.startup_s,
+             opt(s.worker_batch_s), opt(s.worker_cpu_fraction), opt(s.batch_bytes), opt(s.gpu_util)],
+            dtype=torch.float64, device=pl_module.device,
         )
-        least = torch.tensor(
-            [math.inf if s.gpu_util is None else s.gpu_util, math.inf if s.queue_depth is None else s.queue_depth],
-            dtype=torch.float64, device=device,
-        )
-        total = torch.tensor([s.batches, s.samples, s.stalls, s.fetches], dtype=torch.float64, device=device)
-        worst = trainer.strategy.reduce(worst, reduce_op="max").tolist()
-        least = trainer.strategy.reduce(least, reduce_op="min").tolist()
-        total = trainer.strategy.reduce(total, reduce_op="sum").tolist()
-        back = lambda v: None if v == unknown else v  # noqa: E731
-        starvation, fetch_mean, f50, f95, s50, s95, startup, wbs, wcpu, bbytes, step_mean = worst
-        batches = int(round(total[0]))
-        # per-batch sums rebuilt so that the reduced starvation ratio is the worst rank's
-        step_s = step_mean * batches
-        fetch_s = step_s * starvation / (1.0 - starvation) if starvation < 1.0 else fetch_mean * batches
+        rows = trainer.strategy.all_gather(row).reshape(trainer.world_size, -1).cpu().tolist()
+        worst = max(rows, key=lambda r: (r[0], -rows.index(r)))
+        back = lambda v: None if math.isnan(v) else v  # noqa: E731
+        utils = [r[16] for r in rows]
+        from_nvml = not any(math.isnan(u) for u in utils)
         return WindowStats(
-            batches=batches,
-            samples=int(round(total[1])),
-            fetch_wait_s=fetch_s,
-            step_s=step_s,
-            fetch_wait_p50_s=f50,
-            fetch_wait_p95_s=f95,
-            step_p50_s=s50,
-            step_p95_s=s95,
-            stalls=int(round(total[2])),
-            fetches=int(round(total[3])),
-            queue_depth=None if math.isinf(least[1]) else least[1],
-            startup_s=startup,
-            worker_batch_s=back(wbs),
-            worker_cpu_fraction=back(wcpu),
-            batch_bytes=None if bbytes == unknown else int(bbytes),
-            gpu_util=None if math.isinf(least[0]) else least[0],
-            util_source="estimate" if math.isinf(least[0]) else "nvml",
+            batches=int(worst[1]),
+            samples=int(sum(r[2] for r in rows)),
+            fetch_wait_s=worst[3],
+            step_s=worst[4],
+            fetch_wait_p50_s=worst[5],
+            fetch_wait_p95_s=worst[6],
+            step_p50_s=worst[7],
+            step_p95_s=worst[8],
+            stalls=int(worst[9]),
+            fetches=int(worst[10]),
+            queue_depth=back(worst[11]),
+            startup_s=worst[12],
+            worker_batch_s=back(worst[13]),
+            worker_cpu_fraction=back(worst[14]),
+            batch_bytes=None if math.isnan(worst[15]) else int(worst[15]),
+            gpu_util=min(utils) if from_nvml else None,
+            util_source="nvml" if from_nvml else "estimate",
         )
 
     def _reduce_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
@@ -454,7 +447,9 @@ class DataLoaderTuner(Callback):
     def _on_rebuild_failure(self, previous: LoaderConfig, exc: BaseException) -> None:
         failed = self._config
         if failed is not None and failed.num_workers > previous.num_workers:
-            self._worker_cap = failed.num_workers - 1
+            # the next attempt may go at most halfway back up to the count that failed
+            cap = max(previous.num_workers, (previous.num_workers + failed.num_workers) // 2)
+            self._worker_cap = cap if self._worker_cap is None else min(cap, self._worker_cap)
         self._config = previous
         self._say_once(
             "rebuild-failed",

@@ -1,0 +1,143 @@
+"""TunableDataModule: loaders from the current config, rebuilt in place, nothing lost, nothing leaked."""
+
+import warnings
+
+import lightning.pytorch as pl
+import psutil
+import pytest
+from lightning.pytorch.callbacks import Callback
+
+from lightning_dltune import DataLoaderTuner, LoaderConfig
+from lightning_dltune.loader import TunedDataLoader
+from workloads import SleepStepModule, SleepyDataModule, SleepyDataset
+
+
+class AlternateConfigs(Callback):
+    """Forces a new loader config every epoch through the mixin's own rebuild path."""
+
+    def __init__(self, configs):
+        self.configs = configs
+        self.children = []
+        self.fds = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        trainer.datamodule.rebuild_loaders()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            me = psutil.Process()
+            self.children.append(len(me.children(recursive=True)))
+            self.fds.append(me.num_fds())
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        epoch = trainer.current_epoch + 1
+        trainer.datamodule.set_loader_config(self.configs[epoch % len(self.configs)])
+
+
+def test_train_drops_the_last_partial_batch_and_val_keeps_it(trainer_kwargs):
+    dm = SleepyDataModule(train_length=10, val_length=10, batch_size=4)
+    trainer = pl.Trainer(max_epochs=1, **trainer_kwargs)
+    trainer.fit(SleepStepModule(), datamodule=dm)
+    assert trainer.train_dataloader.drop_last is True and len(trainer.train_dataloader) == 2
+    assert trainer.val_dataloaders.drop_last is False and len(trainer.val_dataloaders) == 3
+    assert isinstance(trainer.train_dataloader, TunedDataLoader)
+
+
+def test_loader_config_defaults_are_derived():
+    dm = SleepyDataModule(num_workers=3)
+    assert dm.loader_config == LoaderConfig(num_workers=3, prefetch_factor=2, pin_memory=False, persistent_workers=True)
+    assert SleepyDataModule(pin_memory=True, persistent_workers=False).loader_config.persistent_workers is False
+
+
+def test_extra_loader_arguments_reach_both_loaders(trainer_kwargs):
+    seen = []
+
+    def collate(samples):
+        seen.append(len(samples))
+        from torch.utils.data import default_collate
+
+        return default_collate(samples)
+
+    dm = SleepyDataModule(train_length=8, val_length=8, batch_size=4, loader_kwargs={"collate_fn": collate, "timeout": 0})
+    pl.Trainer(max_epochs=1, **trainer_kwargs).fit(SleepStepModule(), datamodule=dm)
+    assert seen.count(4) == 4  # 2 train + 2 val batches went through the user's collate_fn
+
+
+def test_thirty_rebuilds_leave_no_extra_processes_or_open_files(trainer_kwargs):
+    configs = [LoaderConfig(num_workers=w, prefetch_factor=p) for w, p in ((1, 2), (2, 1), (0, 2), (2, 3))]
+    forcer = AlternateConfigs(configs)
+    dm = SleepyDataModule(train_length=16, val_length=8, batch_size=4, num_workers=1)
+    before = len(psutil.Process().children(recursive=True))
+    trainer = pl.Trainer(max_epochs=31, callbacks=[forcer], limit_val_batches=1, **trainer_kwargs)
+    trainer.fit(SleepStepModule(), datamodule=dm)
+    # while training: never more than this epoch's train and val workers alive
+    for epoch, children in enumerate(forcer.children):
+        workers = configs[epoch % len(configs)].num_workers
+        assert children <= before + 2 * workers, (epoch, children)
+    # open files do not grow with rebuilds (compare epochs with the same config)
+    assert forcer.fds[24:28] == pytest.approx(forcer.fds[4:8], abs=3)
+    assert len(psutil.Process().children(recursive=True)) == before
+
+
+@pytest.mark.parametrize("reload", [0, 1])
+def test_nothing_is_lost_or_repeated_across_rebuilds(trainer_kwargs, reload):
+    configs = [LoaderConfig(num_workers=w, prefetch_factor=p) for w, p in ((2, 1), (0, 2), (1, 3))]
+    model = SleepStepModule(record_indices=True)
+    dm = SleepyDataModule(train_length=30, val_length=13, batch_size=4, num_workers=2)
+    trainer = pl.Trainer(max_epochs=6, callbacks=[AlternateConfigs(configs)],
+                         reload_dataloaders_every_n_epochs=reload, **trainer_kwargs)
+    trainer.fit(model, datamodule=dm)
+    assert len(model.val_indices) == 6
+    for seen in model.val_indices:
+        assert sorted(seen) == list(range(13))  # every validation sample exactly once
+    for seen in model.train_indices:
+        assert len(seen) == len(set(seen)) == 28  # at most once; 2 (< batch_size) dropped
+    assert {len(set(s)) for s in model.train_indices} == {28}
+
+
+def test_tune_false_never_rebuilds(trainer_kwargs):
+    tuner = DataLoaderTuner(tune=False, verbose=False, max_workers=4)
+    dm = SleepyDataModule(train_length=40, val_length=8, batch_size=4, batch_cost_s=0.01)
+    pl.Trainer(max_epochs=3, callbacks=[tuner], **trainer_kwargs).fit(SleepStepModule(step_s=0.002), datamodule=dm)
+    assert [r.num_workers for r in tuner.history] == [0, 0, 0]
+    assert tuner.rebuilds == 0
+    assert tuner.history[0].changed  # it recommends more workers, without applying them
+    assert dm.loader_config.num_workers == 0
+
+
+def test_a_rebuild_whose_workers_die_rolls_back_and_the_fit_goes_on(trainer_kwargs):
+    # workers are killed (as by the OOM killer) whenever more than one runs
+    tuner = DataLoaderTuner(verbose=False, max_workers=6)
+    dm = SleepyDataModule(train_length=48, val_length=8, batch_size=4, batch_cost_s=0.02,
+                          dataset_kwargs={"fail_in_worker_above": 1})
+    trainer = pl.Trainer(max_epochs=4, callbacks=[tuner], **trainer_kwargs)
+    with pytest.warns(UserWarning, match="failed to start") as record:
+        trainer.fit(SleepStepModule(step_s=0.005), datamodule=dm)
+    assert len([w for w in record if "failed to start" in str(w.message)]) == 1  # warned once
+    assert trainer.current_epoch == 4 and len(tuner.history) == 4
+    assert all(r.num_workers <= 1 for r in tuner.history)  # the fit ran only configs that work
+    assert dm.loader_config.num_workers <= 1
+
+
+class FailingDataset(SleepyDataset):
+    def __getitems__(self, indices):
+        if 7 in indices:
+            raise ValueError("bad sample 7")
+        return super().__getitems__(indices)
+
+
+class FailingData(SleepyDataModule):
+    def setup(self, stage):
+        super().setup(stage)
+        self.train_dataset = FailingDataset(32)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_error_reaches_the_user_unchanged(trainer_kwargs, workers):
+    tuner = DataLoaderTuner(verbose=False)
+    dm = FailingData(batch_size=4, num_workers=workers)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[tuner], **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="bad sample 7"):
+        warnings.simplefilter("always")
+        trainer.fit(SleepStepModule(), datamodule=dm)
+    assert not [w for w in caught if "failed to start" in str(w.message)]

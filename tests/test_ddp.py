@@ -1,0 +1,48 @@
+"""Ranks in a real 2-process CPU DDP fit (gloo): the slow rank's starvation is the job's, one decision for all."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tb_events import scalars
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "ddp_fit.py"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
+    return out, ranks, proc.stdout + proc.stderr
+
+
+def test_logged_starvation_is_the_slow_ranks(ddp_run):
+    out, ranks, _ = ddp_run
+    logged = scalars(str(out / "tb"))
+    first_epoch_starvation = logged["dltune/starvation_ratio"][0][1]
+    # rank 1 waits 30 ms for each batch of a 10 ms step: 0.75; rank 0 never waits on data
+    assert first_epoch_starvation == pytest.approx(0.75, abs=0.08)
+    assert ranks[0]["history"][0]["starvation_ratio"] == pytest.approx(first_epoch_starvation)
+
+
+def test_only_rank_zero_writes(ddp_run):
+    out, _, output = ddp_run
+    event_files = [f for _, _, files in os.walk(out / "tb") for f in files if f.startswith("events.out")]
+    assert len(event_files) == 1
+    assert output.count("[dltune] epoch 0") == 1
+
+
+def test_every_rank_applies_the_same_decision(ddp_run):
+    _, (rank0, rank1), _ = ddp_run
+    assert rank0["history"] == rank1["history"]
+    assert rank0["final_config"] == rank1["final_config"]
+    assert rank0["history"][0]["next_workers"] > 0  # the starved job got workers
+    assert rank0["live_workers"] == rank1["live_workers"] == [rank0["final_config"]["num_workers"]] * 2
