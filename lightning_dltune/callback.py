@@ -122,7 +122,7 @@ class DataLoaderTuner(Callback):
     def __init__(
         self,
         tune: bool = True,
-        band: Sequence[float] = (0.85, 0.95),
+        band: tuple[float, float] = (0.85, 0.95),
         util_source: str = "auto",
         stall_threshold_ms: float = 1.0,
         log_every_n_steps: int = 0,

@@ -1,0 +1,3 @@
+from lightning_dltune.cli import main
+
+main()

@@ -1,0 +1,201 @@
+"""The dltune CLI, the shipped configs, the recommendation round trip and the TensorBoard panels, for real.
+
+Each test runs the real command in a subprocess with tiny limits (the accelerator step is emulated
+with a sleep, as in the demo on a CPU-only machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "2",
+        "--data.init_args.num_images", "160", "--data.init_args.batch_size", "8",
+        "--model.init_args.emulate_step_ms", "5"]
+
+
+def dltune(*args: str, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DLTUNE_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "lightning_dltune", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def logs_args(tmp: Path) -> list[str]:
+    return ["--trainer.logger.init_args.save_dir", str(tmp / "logs")]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo")
+    proc = dltune("fit", "--config", "configs/demo.yaml", *TINY, *logs_args(tmp), tmp=tmp)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    version = tmp / "logs" / "demo" / "version_0"
+    return tmp, version, proc.stdout + proc.stderr
+
+
+def test_demo_prints_a_line_per_epoch_a_table_and_the_recommendation(demo):
+    _, version, output = demo
+    lines = [l for l in output.splitlines() if l.startswith("[dltune] epoch")]
+    assert len(lines) == 2
+    assert all("util" in l and "starvation" in l and "samples/s" in l for l in lines)
+    assert "lightning-dltune: loader tuning" in output and "recommended: workers=" in output
+    assert "emulated" in output  # the accelerator step is emulated on CPU and says so
+    assert (version / "dltune_recommendation.yaml").is_file()
+
+
+def test_recommendation_round_trips_through_the_cli(demo):
+    tmp, version, _ = demo
+    rec = version / "dltune_recommendation.yaml"
+    recommended = yaml.safe_load(rec.read_text())["data"]["init_args"]
+    proc = dltune("fit", "--config", "configs/demo.yaml", "--config", str(rec), "--print_config", tmp=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = yaml.safe_load(proc.stdout)
+    for key, value in recommended.items():
+        assert merged["data"]["init_args"][key] == value, key
+    assert merged["data"]["class_path"] == "examples.image_pipeline.JpegDataModule"
+    # and it trains with it
+    proc = dltune("fit", "--config", "configs/demo.yaml", "--config", str(rec), *TINY, "--trainer.max_epochs", "1",
+                  *logs_args(tmp), tmp=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"workers={recommended['num_workers']} prefetch={recommended['prefetch_factor']}" in proc.stderr + proc.stdout
+
+
+def test_monitor_only_config_never_rebuilds(tmp_path):
+    proc = dltune("fit", "--config", "configs/monitor_only.yaml", *TINY, "--trainer.max_epochs", "2",
+                  *logs_args(tmp_path), tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    lines = [l for l in output.splitlines() if l.startswith("[dltune] epoch")]
+    assert len(lines) == 2 and all("workers=0 prefetch=2" in l.split("|")[1] for l in lines)
+    assert "next:" not in output
+
+
+def test_ddp_cpu_config_runs_two_processes(tmp_path):
+    proc = dltune("fit", "--config", "configs/ddp_cpu.yaml", *TINY, *logs_args(tmp_path), tmp=tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "MEMBER: 2/2" in output
+    assert len([l for l in output.splitlines() if l.startswith("[dltune] epoch")]) == 2  # rank zero only
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--data.init_args.num_worker", "2"], "num_worker"),
+        (["--trainer.callbacks.init_args.band", "[0.9, 1.5]"], "band"),
+        (["--trainer.callbacks.init_args.band", "[0.9]"], "band"),
+        (["--trainer.callbacks.init_args.util_source", "smi"], "util_source"),
+        (["--data.init_args.num_workers", "-2"], "num_workers"),
+    ],
+)
+def test_bad_configuration_exits_non_zero_naming_the_key(tmp_path, args, named):
+    proc = dltune("fit", "--config", "configs/demo.yaml", *args, *logs_args(tmp_path), tmp=tmp_path)
+    assert proc.returncode != 0
+    assert named in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "logs").exists()  # nothing started
+
+
+def test_bad_yaml_file_names_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  init_args:\n    prefetch_factr: 4\n")
+    proc = dltune("fit", "--config", "configs/demo.yaml", "--config", str(bad), tmp=tmp_path)
+    assert proc.returncode != 0 and "prefetch_factr" in proc.stderr
+
+
+USER_SCRIPT = '''
+import sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+from lightning.pytorch.cli import LightningCLI
+from workloads import SleepStepModule, SleepyDataModule
+LightningCLI(SleepStepModule, SleepyDataModule)
+'''
+
+USER_CONFIG = {
+    "trainer": {
+        "max_epochs": 2, "accelerator": "cpu", "logger": False, "enable_checkpointing": False,
+        "enable_progress_bar": False, "num_sanity_val_steps": 0,
+        "callbacks": [{
+            "class_path": "lightning_dltune.DataLoaderTuner",
+            "init_args": {
+                "tune": True, "band": [0.8, 0.9], "util_source": "estimate", "stall_threshold_ms": 2.0,
+                "log_every_n_steps": 5, "max_workers": 3, "memory_fraction": 0.4, "shm_fraction": 0.4,
+                "max_rebuilds": 4, "min_gain": 0.1, "max_prefetch_factor": 4, "nvml_poll_interval_s": 2.0,
+                "verbose": True, "recommendation_file": False,
+            },
+        }],
+    },
+    "model": {"step_s": 0.005},
+    "data": {"train_length": 64, "val_length": 8, "batch_cost_s": 0.01, "batch_size": 4, "num_workers": 0,
+             "prefetch_factor": 2},
+}
+
+
+def test_users_own_lightning_cli_takes_the_callback_and_a_tunable_datamodule(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests")))
+    (tmp_path / "conf").mkdir()
+    config = tmp_path / "conf" / "user.yaml"
+    config.write_text(yaml.safe_dump(USER_CONFIG))
+    proc = subprocess.run([sys.executable, str(script), "fit", "--config", str(config)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    lines = [l for l in output.splitlines() if l.startswith("[dltune] epoch")]
+    assert len(lines) == 2
+    assert "band 80%-90%" in output or "(estimate)" in lines[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str):
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read().decode())
+
+
+def test_tensorboard_server_shows_the_dltune_panels(demo):
+    tmp, _, _ = demo
+    port = _free_port()
+    tensorboard = Path(sys.executable).with_name("tensorboard")
+    cmd = [str(tensorboard)] if tensorboard.exists() else [sys.executable, "-m", "tensorboard.main"]
+    server = subprocess.Popen(cmd + ["--logdir", str(tmp / "logs"), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        layout = None
+        while time.monotonic() < deadline:
+            try:
+                layout = _get_json(f"{base}/data/plugin/custom_scalars/layout")
+                tags = _get_json(f"{base}/data/plugin/scalars/tags")
+                if layout and tags:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert layout, "tensorboard served no custom-scalars layout"
+        category = [c for c in layout["category"] if c["title"] == "dltune"]
+        assert category and any(chart["title"] == "GPU utilization vs band" for chart in category[0]["chart"])
+        run = "demo/version_0"  # the demo's own run (other tests add runs beside it)
+        run_tags = tags[run]
+        for name in ("dltune/starvation_ratio", "dltune/gpu_util", "dltune/fetch_wait_ms", "dltune/num_workers"):
+            assert name in run_tags
+        series = _get_json(f"{base}/data/plugin/scalars/scalars?tag=dltune/num_workers&run={run}")
+        assert len(series) == 2  # one point per epoch
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
