@@ -1,0 +1,69 @@
+"""The tuner in real CPU fits: from a poor start to a good config, by itself, and kept across a resume.
+
+The accelerator step is emulated with a sleep in the training process; the I/O-bound dataset sleeps
+per batch in its workers (storage latency), so more workers really help, past the core count.
+"""
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_dltune import DataLoaderTuner
+from workloads import SleepStepModule, SleepyDataModule
+
+
+def _fit(trainer_kwargs, dm, step_s, epochs, tuner=None, extra_callbacks=(), **overrides):
+    tuner = tuner or DataLoaderTuner(verbose=False)
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=[tuner, *extra_callbacks], limit_val_batches=1,
+                         **{**trainer_kwargs, **overrides})
+    trainer.fit(SleepStepModule(step_s=step_s), datamodule=dm)
+    return tuner, trainer
+
+
+def test_an_io_bound_pipeline_started_without_workers_is_fed_by_epoch_3(trainer_kwargs):
+    # 40 ms of storage latency per batch against a 10 ms step: 20% utilization at 0 workers
+    dm = SleepyDataModule(train_length=240, val_length=4, batch_cost_s=0.04, batch_size=4, num_workers=0)
+    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.01, epochs=4)
+    first, third = tuner.history[0], tuner.history[3]
+    assert first.num_workers == 0 and first.starvation_ratio > 0.7
+    assert first.verdict == "data-bound (I/O)"
+    assert third.num_workers >= 4
+    assert third.starvation_ratio <= 0.15
+    assert third.samples_per_s >= 2.5 * first.samples_per_s
+    assert tuner.rebuilds <= 2  # sized by the model, not by doubling
+
+
+def test_a_step_bound_pipeline_gets_no_extra_workers(trainer_kwargs):
+    dm = SleepyDataModule(train_length=120, val_length=4, batch_cost_s=0.0, batch_size=4, num_workers=0)
+    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.02, epochs=4)
+    assert [r.num_workers for r in tuner.history] == [0, 0, 0, 0]
+    assert tuner.rebuilds == 0
+    assert all(r.verdict in ("in band", "compute-bound") for r in tuner.history)
+
+
+def test_a_start_at_16_workers_and_prefetch_8_is_brought_down(trainer_kwargs):
+    # cheap data: 16 workers x 8 batches hold CPU and memory for nothing
+    dm = SleepyDataModule(train_length=160, val_length=4, batch_cost_s=0.002, batch_size=4, num_workers=16,
+                          prefetch_factor=8)
+    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.02, epochs=6, tuner=DataLoaderTuner(verbose=False, max_workers=16))
+    first, last = tuner.history[0].config, tuner.history[-1].next_config
+    assert (first.num_workers, first.prefetch_factor) == (16, 8)
+    assert last.num_workers < 16 and last.num_workers * last.prefetch_factor < 16 * 8
+    assert tuner.history[-1].stats.utilization >= 0.85  # and the band still holds
+
+
+def test_a_resumed_fit_starts_with_the_tuned_config(trainer_kwargs, tmp_path):
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    dm = SleepyDataModule(train_length=120, val_length=4, batch_cost_s=0.03, batch_size=4, num_workers=0)
+    tuner, _ = _fit({**trainer_kwargs, "enable_checkpointing": True}, dm, step_s=0.01, epochs=2,
+                    extra_callbacks=[ckpt])
+    tuned = tuner.history[-1].next_config
+    assert tuned.num_workers > 0
+
+    resumed = DataLoaderTuner(verbose=False)
+    fresh = SleepyDataModule(train_length=120, val_length=4, batch_cost_s=0.03, batch_size=4, num_workers=0)
+    trainer = pl.Trainer(max_epochs=3, callbacks=[resumed], limit_val_batches=1,
+                         **{**trainer_kwargs, "enable_checkpointing": True})
+    trainer.fit(SleepStepModule(step_s=0.01), datamodule=fresh, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert [r.epoch for r in resumed.history] == [0, 1, 2]  # history came back with the checkpoint
+    assert resumed.history[2].config == tuned  # the resumed epoch ran the tuned config from its start
