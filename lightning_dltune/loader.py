@@ -143,9 +143,6 @@ class _ProbedIterator(Iterator):
         self._baseline = self._counters.produced(self._workers) if self._counters is not None else 0.0
         self._consumed = 0
 
-    def __len__(self) -> int:
-        return len(self._it)  # type: ignore[arg-type]
-
     def _ready(self) -> int:
         if self._counters is None:
             return -1
@@ -173,9 +170,7 @@ class _ProbedIterator(Iterator):
     def _first_batch(self) -> Any:
         try:
             batch = next(self._it)
-        except StopIteration:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # StopIteration included: it is no worker failure and goes on up
             fallback = self._loader.dltune_fallback
             if fallback is None or not _is_worker_failure(exc):
                 raise
