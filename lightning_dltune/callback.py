@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Iterator, Optional, Sequence
@@ -101,6 +102,9 @@ class DataLoaderTuner(Callback):
         min_gain: relative throughput gain that makes a change worth keeping.
         max_prefetch_factor: deepest prefetch the tuner picks.
         nvml_poll_interval_s: seconds between NVML reads during training.
+        first_decision_after: in the first epoch of a fit, decide once after this many batches and
+            move the training loaders to the new config right away, mid-epoch (no batch is lost or
+            repeated); ``0``: decide at epoch ends only. Skipped for epochs shorter than 3x this.
         verbose: print the per-epoch line and the final table.
         recommendation_file: write ``dltune_recommendation.yaml`` in the log dir at the end of fit.
 
@@ -133,6 +137,7 @@ class DataLoaderTuner(Callback):
         min_gain: float = 0.05,
         max_prefetch_factor: int = 8,
         nvml_poll_interval_s: float = 5.0,
+        first_decision_after: int = 20,
         verbose: bool = True,
         recommendation_file: bool = True,
     ) -> None:
@@ -147,6 +152,7 @@ class DataLoaderTuner(Callback):
         _check_count("log_every_n_steps", log_every_n_steps, minimum=0)
         _check_count("max_rebuilds", max_rebuilds, minimum=0)
         _check_count("max_prefetch_factor", max_prefetch_factor, minimum=1)
+        _check_count("first_decision_after", first_decision_after, minimum=0)
         if max_workers is not None:
             _check_count("max_workers", max_workers, minimum=0)
         for name, value in (("memory_fraction", memory_fraction), ("shm_fraction", shm_fraction)):
@@ -163,6 +169,7 @@ class DataLoaderTuner(Callback):
         self.memory_fraction = memory_fraction
         self.shm_fraction = shm_fraction
         self.nvml_poll_interval_s = nvml_poll_interval_s
+        self.first_decision_after = first_decision_after
         self.verbose = verbose
         self.recommendation_file = recommendation_file
         self.settings = PolicySettings(
@@ -184,6 +191,8 @@ class DataLoaderTuner(Callback):
         self._worker_cap: Optional[int] = None  # lowered when a rebuild failed
         self._tuned_loaders = False
         self._epoch_started = 0.0
+        self._epoch_cpu_started = 0.0
+        self._decide_at_batch = -1  # batch index of the first epoch's early decision (-1: none)
         self._step_started = 0.0
         self._first_batch = True
         self._batch_size = 0
@@ -219,8 +228,10 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._datamodule is not None and self._restored_config is not None and self.tune:
-            self._datamodule.set_loader_config(self._restored_config)
+        if self._datamodule is not None and self.tune:
+            if self._restored_config is not None:
+                self._datamodule.set_loader_config(self._restored_config)
+            self._clamp_to_budget(trainer, pl_module)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
@@ -239,23 +250,45 @@ class DataLoaderTuner(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._datamodule is not None and self.tune:
-            self.rebuilds += self._datamodule.rebuild_loaders(on_failure=self._on_rebuild_failure)
-        self._meter.reset()
-        self._counter_marks = []
+            self._datamodule.rebuild_loaders(on_failure=self._on_rebuild_failure)
         train_loaders = _flatten(trainer.train_dataloader)
         self._tuned_loaders = bool(train_loaders) and all(isinstance(dl, TunedDataLoader) for dl in train_loaders)
         for loader in train_loaders:
             if isinstance(loader, TunedDataLoader):
                 loader.fetch_recorder = self._meter
-                counters = counters_of(loader)
-                if counters is not None:
-                    self._counter_marks.append((counters, counters.totals()))
-        self._config = self._current_config(train_loaders)
+        self._start_window(trainer, config=self._current_config(train_loaders))
         self._first_batch = True
         self._batch_bytes = None
+        self._decide_at_batch = self._early_decision_batch(trainer)
+
+    def _start_window(self, trainer: pl.Trainer, config: Optional[LoaderConfig]) -> None:
+        self._meter.reset()
+        self._config = config
+        self._counter_marks = [
+            (counters, counters.totals())
+            for loader in _flatten(trainer.train_dataloader)
+            if isinstance(loader, TunedDataLoader) and (counters := counters_of(loader)) is not None
+        ]
         if self._sampler is not None:
             self._sampler.start_window()
+        self._epoch_cpu_started = time.process_time()
         self._epoch_started = time.perf_counter()
+
+    def _early_decision_batch(self, trainer: pl.Trainer) -> int:
+        """The batch index after which the first epoch decides, or -1."""
+        after = self.first_decision_after
+        batches = trainer.num_training_batches
+        if (
+            not after
+            or not self.tune
+            or self._datamodule is None
+            or not self._tuned_loaders
+            or self.history
+            or not math.isfinite(batches)
+            or batches < 3 * after
+        ):
+            return -1
+        return after - 1
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -274,6 +307,8 @@ class DataLoaderTuner(Callback):
             self._sampler.maybe_poll(now)
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
             self._log_step_metrics(trainer)
+        if batch_idx == self._decide_at_batch:
+            self._decide(trainer, pl_module, first_batches=batch_idx + 1)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -287,6 +322,14 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._decide(trainer, pl_module)
+
+    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, first_batches: Optional[int] = None) -> None:
+        """Reduce the window across ranks, ask the policy, record, log and schedule the next config.
+
+        At an epoch end the new config applies from the next epoch start; early in the first epoch
+        (``first_batches``) the training loaders switch to it right away.
+        """
         if self._config is None:
             return
         stats = self._reduce(trainer, pl_module, self._local_stats())
@@ -302,14 +345,23 @@ class DataLoaderTuner(Callback):
             verdict=decision.verdict,
             reason=decision.reason,
             next_config=decision.config,
+            first_batches=first_batches,
         )
         self.history.append(record)
-        if self._datamodule is not None and self.tune:
+        tuning = self._datamodule is not None and self.tune
+        if tuning:
             self._datamodule.mark_config_good()
             if record.changed:
-                self._datamodule.set_loader_config(decision.config)
+                self.rebuilds += 1
+                if first_batches is None:
+                    self._datamodule.set_loader_config(decision.config)
+                else:
+                    self._datamodule.switch_train_loaders(decision.config, on_failure=self._on_rebuild_failure)
         if trainer.is_global_zero:
             self._log_epoch(trainer, record)
+        if first_batches is not None:
+            # the rest of the epoch is a window of its own, measured with the config it runs
+            self._start_window(trainer, config=decision.config if tuning else self._config)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -377,14 +429,21 @@ class DataLoaderTuner(Callback):
         if batches > 0:
             worker_batch_s = wall / batches
             worker_cpu_fraction = min(1.0, cpu / wall) if wall > 0 else None
+        # the training process's own CPU share, less the batches it made itself (0 workers)
+        elapsed = time.perf_counter() - self._epoch_started
+        main_cpu = time.process_time() - self._epoch_cpu_started
+        if self._config is not None and self._config.num_workers == 0:
+            main_cpu -= cpu
+        main_cpu_fraction = max(0.0, main_cpu) / elapsed if elapsed > 0 else None
         gpu_util = self._sampler.window_mean() if self._sampler is not None else None
-        return self._meter.window_stats(
+        stats = self._meter.window_stats(
             batch_size=self._batch_size,
             worker_batch_s=worker_batch_s,
             worker_cpu_fraction=worker_cpu_fraction,
             batch_bytes=self._batch_bytes,
             gpu_util=gpu_util,
         )
+        return dataclasses.replace(stats, main_cpu_fraction=main_cpu_fraction)
 
     def _reduce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, s: WindowStats) -> WindowStats:
         """The job's stats: those of the most starved rank, with every rank's samples and the lowest utilization.
@@ -399,7 +458,8 @@ class DataLoaderTuner(Callback):
         row = torch.tensor(
             [s.starvation_ratio, s.batches, s.samples, s.fetch_wait_s, s.step_s, s.fetch_wait_p50_s,
              s.fetch_wait_p95_s, s.step_p50_s, s.step_p95_s, s.stalls, s.fetches, opt(s.queue_depth), s.startup_s,
-             opt(s.worker_batch_s), opt(s.worker_cpu_fraction), opt(s.batch_bytes), opt(s.gpu_util)],
+             opt(s.worker_batch_s), opt(s.worker_cpu_fraction), opt(s.batch_bytes), opt(s.gpu_util),
+             opt(s.main_cpu_fraction)],
             dtype=torch.float64, device=pl_module.device,
         )
         rows = trainer.strategy.all_gather(row).reshape(trainer.world_size, -1).cpu().tolist()
@@ -425,6 +485,7 @@ class DataLoaderTuner(Callback):
             batch_bytes=None if math.isnan(worst[15]) else int(worst[15]),
             gpu_util=min(utils) if from_nvml else None,
             util_source="nvml" if from_nvml else "estimate",
+            main_cpu_fraction=back(max(r[17] for r in rows)),
         )
 
     def _reduce_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
@@ -443,6 +504,23 @@ class DataLoaderTuner(Callback):
         )
         w, mem, shm, cpus = trainer.strategy.reduce(values, reduce_op="min").tolist()
         return Budget(int(w), None if math.isinf(mem) else mem, None if math.isinf(shm) else shm, cpus)
+
+    def _clamp_to_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Never start a fit over the worker budget or the prefetch cap: no epoch is spent finding out."""
+        assert self._datamodule is not None
+        config = self._datamodule.loader_config
+        budget = self._reduce_budget(trainer, pl_module)
+        clamped = config.replace(
+            num_workers=min(config.num_workers, budget.max_workers),
+            prefetch_factor=min(config.prefetch_factor, self.settings.max_prefetch_factor),
+        )
+        if clamped != config:
+            self._datamodule.set_loader_config(clamped)
+            self._say_once(
+                "clamped",
+                f"[dltune] start: {config.short()} passes the budget (at most {budget.max_workers} workers,"
+                f" prefetch {self.settings.max_prefetch_factor}); starting with {clamped.short()}",
+            )
 
     def _on_rebuild_failure(self, previous: LoaderConfig, exc: BaseException) -> None:
         failed = self._config
@@ -543,8 +621,9 @@ def _or_inf(value: Optional[float]) -> float:
 
 def _decision_markdown(record: EpochRecord, tuning: bool) -> str:
     action = "keep" if not record.changed else ("rebuild with" if tuning else "would try") + f" {record.next_config.short()}"
+    window = f"epoch {record.epoch}" + (f", first {record.first_batches} batches" if record.first_batches else "")
     return (
-        f"**epoch {record.epoch}**: {record.verdict}, {record.config.short()} → {action}  \n"
+        f"**{window}**: {record.verdict}, {record.config.short()} → {action}  \n"
         f"{record.reason}"
     )
 
@@ -557,6 +636,7 @@ def _record_to_dict(record: EpochRecord) -> dict[str, Any]:
         "verdict": record.verdict,
         "reason": record.reason,
         "next_config": record.next_config.as_dict(),
+        "first_batches": record.first_batches,
     }
 
 
@@ -569,4 +649,5 @@ def _record_from_dict(d: dict[str, Any]) -> EpochRecord:
         verdict=d.get("verdict", ""),
         reason=d.get("reason", ""),
         next_config=LoaderConfig(**d.get("next_config", d["config"])),
+        first_batches=d.get("first_batches"),
     )

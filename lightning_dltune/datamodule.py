@@ -212,6 +212,28 @@ class TunableDataModule:
             rebuilt += 1
         return rebuilt
 
+    def switch_train_loaders(
+        self, config: LoaderConfig, on_failure: Optional[Callable[[LoaderConfig, BaseException], None]] = None
+    ) -> int:
+        """Move the live training loaders to ``config`` now, in the middle of an epoch; returns how many.
+
+        Each loader stops handing out new work to its workers; once the batches they already hold are
+        taken, new workers start on the rest of the epoch's sampler order: no batch is lost or repeated.
+        Validation loaders follow at the next :meth:`rebuild_loaders`.
+        """
+        previous = self.loader_config
+        self.set_loader_config(config)
+        trainer = getattr(self, "trainer", None)
+        switched = 0
+        for loader in _flatten(trainer.train_dataloader if trainer is not None else None):
+            if isinstance(loader, TunedDataLoader) and not _runs_with(loader, config):
+                loader.dltune_mp_context = self.loader_kwargs.get("multiprocessing_context")
+                loader.dltune_fallback = (previous, self._fallback_notifier(on_failure))
+                loader.dltune_mid_epoch = True
+                loader.dltune_switch = config
+                switched += 1
+        return switched
+
     def _fallback_notifier(
         self, on_failure: Optional[Callable[[LoaderConfig, BaseException], None]]
     ) -> Callable[[LoaderConfig, BaseException], None]:

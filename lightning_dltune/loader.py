@@ -135,11 +135,16 @@ def _is_worker_failure(exc: BaseException) -> bool:
 class _ProbedIterator(Iterator):
     def __init__(self, loader: TunedDataLoader, iterator: Iterator, started: float) -> None:
         self._loader = loader
+        self._counters = counters_of(loader)
+        self._switch_to: Optional[LoaderConfig] = None
+        self._remaining: Optional[Iterator] = None  # the sampler's rest of the epoch, during a switch
+        self._use(iterator, started)
+
+    def _use(self, iterator: Iterator, started: float) -> None:
         self._it = iterator
         self._started = started
         self._first = True
-        self._counters = counters_of(loader)
-        self._workers = loader.num_workers
+        self._workers = self._loader.num_workers
         self._baseline = self._counters.produced(self._workers) if self._counters is not None else 0.0
         self._consumed = 0
 
@@ -151,40 +156,80 @@ class _ProbedIterator(Iterator):
         return max(0, int(self._counters.produced(self._workers) - self._baseline) - self._consumed)
 
     def __next__(self) -> Any:
+        if self._loader.dltune_switch is not None:
+            self._begin_switch()
         recorder = self._loader.fetch_recorder
         if self._first:
             batch = self._first_batch()
             if recorder is not None:
                 recorder.record_startup(time.perf_counter() - self._started)
             return batch
-        if recorder is None:
-            return next(self._it)
-        ready = self._ready()
+        ready = self._ready() if recorder is not None else -1
         t0 = time.perf_counter()
-        batch = next(self._it)
-        wait = time.perf_counter() - t0
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            if self._switch_to is None:
+                raise
+            # the old workers delivered all they were given: new ones take the rest of the epoch, and
+            # their first batch is start-up, not fetch wait
+            self._start_switched()
+            return self.__next__()
+        if recorder is not None:
+            recorder.record_fetch(time.perf_counter() - t0, ready)
         self._consumed += 1
-        recorder.record_fetch(wait, ready)
         return batch
+
+    def _begin_switch(self) -> None:
+        """Stop feeding the old workers; once their queued batches are taken, new ones take over."""
+        self._switch_to, self._loader.dltune_switch = self._loader.dltune_switch, None
+        sampler_iter = getattr(self._it, "_sampler_iter", None)
+        if sampler_iter is None:  # not a torch iterator we can split: switch at the next epoch instead
+            self._switch_to = None
+            return
+        self._remaining = sampler_iter
+        self._it._sampler_iter = iter(())
+
+    def _start_switched(self) -> None:
+        config, remaining = self._switch_to, self._remaining
+        self._switch_to = self._remaining = None
+        reconfigure(self._loader, config, self._loader.dltune_mp_context)
+        started = time.perf_counter()
+        self._use(self._loader._iter_remaining(remaining), started)
 
     def _first_batch(self) -> Any:
         try:
             batch = next(self._it)
-        except Exception as exc:  # StopIteration included: it is no worker failure and goes on up
+        except StopIteration:
+            if self._switch_to is None:
+                raise
+            self._start_switched()
+            return self._first_batch()
+        except Exception as exc:
             fallback = self._loader.dltune_fallback
             if fallback is None or not _is_worker_failure(exc):
                 raise
             shutdown = getattr(self._it, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
-            self._it = self._loader._roll_back(fallback, exc)
-            self._workers = self._loader.num_workers
-            self._baseline = self._counters.produced(self._workers) if self._counters is not None else 0.0
+            remaining = getattr(self._it, "_sampler_iter", None) if self._loader.dltune_mid_epoch else None
+            self._use(self._loader._roll_back(fallback, exc, remaining), self._started)
             batch = next(self._it)
         self._first = False
         self._consumed = 1
         self._loader.dltune_fallback = None  # this config started: it is the new last good one
+        self._loader.dltune_mid_epoch = False
         return batch
+
+
+class _Remaining:
+    """Stands in for a sampler: its iteration is what an interrupted iteration had left."""
+
+    def __init__(self, iterator: Iterator) -> None:
+        self._iterator = iterator
+
+    def __iter__(self) -> Iterator:
+        return self._iterator
 
 
 class TunedDataLoader(DataLoader):
@@ -199,6 +244,26 @@ class TunedDataLoader(DataLoader):
     fetch_recorder: Optional[FetchRecorder] = None
     # (last good config, callback) while a rebuilt loader has not yet delivered its first batch
     dltune_fallback: Optional[tuple[LoaderConfig, Callable[[LoaderConfig, BaseException], None]]] = None
+    # a config to switch to in the middle of the epoch, without losing or repeating a batch
+    dltune_switch: Optional[LoaderConfig] = None
+    dltune_mid_epoch: bool = False
+    dltune_mp_context: Any = None  # the multiprocessing context to use once workers are added
+
+    @property
+    def _index_sampler(self) -> Any:
+        resume = self.__dict__.get("_dltune_resume")
+        return resume if resume is not None else DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+
+    def _iter_remaining(self, remaining: Iterator) -> Iterator:
+        """A torch iterator over what is left of ``remaining`` (the sampler's iteration of this epoch)."""
+        self._dltune_resume = _Remaining(remaining)
+        try:
+            iterator = DataLoader.__iter__(self)
+        finally:
+            self._dltune_resume = None
+        # a persistent iterator starts its next epochs from the loader's whole sampler again
+        iterator._index_sampler = DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+        return iterator
 
     def __iter__(self) -> Iterator:
         started = time.perf_counter()
@@ -210,12 +275,15 @@ class TunedDataLoader(DataLoader):
             iterator = self._roll_back(self.dltune_fallback, exc)
         return _ProbedIterator(self, iterator, started)
 
-    def _roll_back(self, fallback: tuple[LoaderConfig, Callable], exc: BaseException) -> Iterator:
+    def _roll_back(
+        self, fallback: tuple[LoaderConfig, Callable], exc: BaseException, remaining: Optional[Iterator] = None
+    ) -> Iterator:
         config, notify = fallback
         self.dltune_fallback = None
         reconfigure(self, config)
         notify(config, exc)
-        return super().__iter__()
+        # mid-epoch, the rest of the epoch goes on; batches handed to the dead workers are lost
+        return self._iter_remaining(remaining) if remaining is not None else super().__iter__()
 
 
 def loader_config_of(loader: DataLoader) -> LoaderConfig:

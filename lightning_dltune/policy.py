@@ -132,6 +132,7 @@ class EpochRecord:
     verdict: str
     reason: str
     next_config: LoaderConfig
+    first_batches: Optional[int] = None  # the window was only this epoch's first batches (an early decision)
 
     @property
     def num_workers(self) -> int:
@@ -429,11 +430,11 @@ _DRY_QUEUE = 0.05  # prefetch is given back only where at most this fraction of 
 # (and the loop waited at most a fifth of that fraction of its time)
 
 
-def _inflation(workers: int, cpus: float) -> float:
-    """How much slower CPU work runs when workers plus the training process outnumber the CPUs."""
+def _inflation(workers: int, cpus: float, main: float = 1.0) -> float:
+    """How much slower CPU work runs when workers plus the training process (``main`` CPUs of it) outnumber the CPUs."""
     if workers == 0:
         return 1.0
-    return max(1.0, (workers + 1) / max(cpus, 1e-9))
+    return max(1.0, (workers + main) / max(cpus, 1e-9))
 
 
 @dataclass(frozen=True)
@@ -446,6 +447,8 @@ class _Model:
     io_s: float  # wall seconds per batch spent waiting, not computing
     cpus: float
     cpu_known: bool
+    main: float = 1.0  # CPUs the training process itself uses (a whole one where unmeasured)
+    main_known: bool = False
 
     @classmethod
     def infer(cls, workers: int, stats: WindowStats, cpus: float, settings: PolicySettings) -> _Model:
@@ -464,14 +467,17 @@ class _Model:
                 batch = max(measured, delivered)  # delivery overheads the workers' clocks do not see
             else:
                 batch = measured
-        inflation = _inflation(workers, cpus)
+        main = stats.main_cpu_fraction
+        main_known = main is not None
+        main = min(max(main, 0.05), cpus) if main is not None else 1.0
+        inflation = _inflation(workers, cpus, main)
         fraction = stats.worker_cpu_fraction
         if fraction is None:
             cpu = batch / inflation  # unknown: assume CPU work, the cautious side for core counts
         else:
             cpu = batch * min(max(fraction, 0.0), 1.0)  # delivery overheads split like the production
         io = max(0.0, batch - cpu * inflation)
-        return cls(step, batch, cpu, io, cpus, fraction is not None)
+        return cls(step, batch, cpu, io, cpus, fraction is not None, main, main_known)
 
     @property
     def cpu_share(self) -> float:
@@ -487,12 +493,17 @@ class _Model:
     def cpu_limit(self) -> int:
         """Most workers before their CPU work (plus the training process) saturates the CPUs."""
         share = self.cpu_share
-        limit = max(self.cpus - 1.0, 0.0) / share if share > 0 else math.inf
-        return max(1, math.floor(limit + 1e-9)) if limit < _UNLIMITED else _UNLIMITED
+        limit = max(self.cpus - self.main, 0.0) / share if share > 0 else math.inf
+        if limit >= _UNLIMITED:
+            return _UNLIMITED
+        # measured: the CPUs the training process leaves, a worker's fraction of a core rounds up
+        # (the gain check undoes a worker that did not pay); unmeasured: a whole core stays reserved
+        rounded = math.ceil(limit - 0.1) if self.main_known else math.floor(limit + 1e-9)
+        return max(1, rounded)
 
     def capacity(self, workers: int) -> float:
         """Batches per second ``workers`` workers make (``workers >= 1``)."""
-        per_batch = self.cpu_s * _inflation(workers, self.cpus) + self.io_s
+        per_batch = self.cpu_s * _inflation(workers, self.cpus, self.main) + self.io_s
         return math.inf if per_batch <= 0 else workers / per_batch
 
     def throughput(self, workers: int) -> float:
@@ -731,6 +742,13 @@ def _add_throughput(
                 f"{memory.worker_ceiling}: the pipeline is CPU-bound"
             )
         if limit == cpu_limit:
+            fewer = current.replace(num_workers=cpu_limit)
+            if workers > cpu_limit and fewer not in memory.rejected:
+                # past saturation extra workers only hold memory and fight over the cores
+                return fewer, DATA_BOUND_CPU, (
+                    f"{starved}; {workers} workers oversubscribe the {budget.cpus:g} CPUs "
+                    f"({model.cpu_share:.0%} CPU per batch): the pipeline is CPU-bound, {workers} -> {cpu_limit}"
+                )
             return current, DATA_BOUND_CPU, (
                 f"{starved}, but {workers} workers already keep the {budget.cpus:g} CPUs busy "
                 f"({model.cpu_share:.0%} CPU per batch): the pipeline is CPU-bound"

@@ -22,8 +22,9 @@ def epoch_line(record: EpochRecord, tuning: bool) -> str:
     else:
         verb = "next" if tuning else "would try"
         nxt = f"{verb}: workers={record.next_config.num_workers} prefetch={record.next_config.prefetch_factor}"
+    window = f"epoch {record.epoch}" + (f" (first {record.first_batches} batches)" if record.first_batches else "")
     return (
-        f"[dltune] epoch {record.epoch} | workers={record.config.num_workers} prefetch={record.config.prefetch_factor}"
+        f"[dltune] {window} | workers={record.config.num_workers} prefetch={record.config.prefetch_factor}"
         f" | util {s.utilization:.0%} ({s.util_source}) | starvation {s.starvation_ratio:.0%}"
         f" | stalls {s.stalls}/{s.fetches} | {s.samples_per_s:,.0f} samples/s | {record.verdict} | {nxt}"
         f" | {record.reason}"
@@ -51,7 +52,7 @@ def summary_table(history: Sequence[EpochRecord], recommended: Optional[EpochRec
     for r in history:
         s = r.stats
         table.add_row(
-            str(r.epoch), str(r.config.num_workers), str(r.config.prefetch_factor), f"{s.utilization:.0%}",
+            f"{r.epoch} (first {r.first_batches})" if r.first_batches else str(r.epoch), str(r.config.num_workers), str(r.config.prefetch_factor), f"{s.utilization:.0%}",
             s.util_source, f"{s.starvation_ratio:.0%}", f"{s.stalls}/{s.fetches}", f"{s.samples_per_s:,.0f}", r.verdict,
         )
     buffer = io.StringIO()

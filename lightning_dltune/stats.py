@@ -32,6 +32,8 @@ class WindowStats:
         batch_bytes: bytes of one collated batch (tensors only); ``None`` where unknown.
         gpu_util: mean NVML ``utilization.gpu`` in [0, 1] over the training part; ``None`` without NVML.
         util_source: ``"nvml"`` or ``"estimate"`` (``1 - starvation_ratio``).
+        main_cpu_fraction: CPU time of the training process / wall time (batches it made itself not
+            counted); the CPUs it leaves are the workers'. ``None`` where unknown.
     """
 
     batches: int = 0
@@ -51,6 +53,7 @@ class WindowStats:
     batch_bytes: Optional[int] = None
     gpu_util: Optional[float] = None
     util_source: str = "estimate"
+    main_cpu_fraction: Optional[float] = None
 
     @property
     def busy_s(self) -> float:

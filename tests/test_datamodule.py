@@ -141,3 +141,21 @@ def test_a_dataset_error_reaches_the_user_unchanged(trainer_kwargs, workers):
         warnings.simplefilter("always")
         trainer.fit(SleepStepModule(), datamodule=dm)
     assert not [w for w in caught if "failed to start" in str(w.message)]
+
+
+@pytest.mark.parametrize("start_workers", [0, 1])
+def test_the_first_epoch_switches_loaders_mid_epoch_without_losing_or_repeating_a_batch(trainer_kwargs, start_workers):
+    # I/O-bound: 30 ms of storage latency per batch against a 5 ms step
+    model = SleepStepModule(step_s=0.005, record_indices=True)
+    dm = SleepyDataModule(train_length=250, val_length=8, batch_cost_s=0.03, batch_size=4, num_workers=start_workers)
+    tuner = DataLoaderTuner(verbose=False, first_decision_after=10)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
+    trainer.fit(model, datamodule=dm)
+    early, rest = tuner.history[0], tuner.history[1]
+    assert early.epoch == rest.epoch == 0 and early.first_batches == 10
+    assert early.config.num_workers == start_workers and rest.config.num_workers > start_workers
+    assert rest.stats.batches == 62 - 10  # the rest of the epoch ran with the new workers
+    for seen in model.train_indices:
+        assert len(seen) == len(set(seen)) == 248  # each sample at most once, 2 (< batch_size) dropped
+    assert sorted(model.val_indices[-1]) == list(range(8))
+    assert tuner.rebuilds >= 1
