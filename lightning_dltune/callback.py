@@ -104,7 +104,7 @@ class DataLoaderTuner(Callback):
         nvml_poll_interval_s: seconds between NVML reads during training.
         first_decision_after: in the first epoch of a fit, decide once after this many batches and
             move the training loaders to the new config right away, mid-epoch (no batch is lost or
-            repeated); ``0``: decide at epoch ends only. Skipped for epochs shorter than 3x this.
+            repeated); ``0``: decide at epoch ends only. Skipped for epochs shorter than twice this.
         verbose: print the per-epoch line and the final table.
         recommendation_file: write ``dltune_recommendation.yaml`` in the log dir at the end of fit.
 
@@ -137,7 +137,7 @@ class DataLoaderTuner(Callback):
         min_gain: float = 0.05,
         max_prefetch_factor: int = 8,
         nvml_poll_interval_s: float = 5.0,
-        first_decision_after: int = 20,
+        first_decision_after: int = 10,
         verbose: bool = True,
         recommendation_file: bool = True,
     ) -> None:
@@ -187,7 +187,6 @@ class DataLoaderTuner(Callback):
         self._datamodule: Optional[TunableDataModule] = None
         self._config: Optional[LoaderConfig] = None  # config of the epoch being measured
         self._restored_config: Optional[LoaderConfig] = None
-        self._budget: Optional[Budget] = None
         self._worker_cap: Optional[int] = None  # lowered when a rebuild failed
         self._tuned_loaders = False
         self._epoch_started = 0.0
@@ -285,7 +284,7 @@ class DataLoaderTuner(Callback):
             or not self._tuned_loaders
             or self.history
             or not math.isfinite(batches)
-            or batches < 3 * after
+            or batches < 2 * after
         ):
             return -1
         return after - 1
