@@ -60,12 +60,14 @@ class DataLoaderTuner(Callback):
     (``on_train_batch_start`` to ``on_train_batch_end``). At each epoch end (after validation) the
     callback reduces them across ranks, logs them, and asks the band policy for the next loader
     config; with a :class:`~lightning_dltune.TunableDataModule` the train and val loaders are rebuilt
-    with it at the next epoch start.
+    with it at the next epoch start. The first epoch also decides once after
+    ``first_decision_after`` batches and switches the training loaders right away.
 
     Logged per epoch under ``dltune/`` (TensorBoard gets a ready ``dltune`` custom-scalars section;
     any other Lightning logger gets the same scalars):
 
-    - ``starvation_ratio``: Σ fetch wait / Σ (fetch wait + step time); the max over ranks.
+    - ``starvation_ratio``: Σ fetch wait / Σ (fetch wait + step time), of the most starved rank (its
+      waits and step times are the job's: the others wait for it at the gradient all-reduce).
     - ``gpu_util``: NVML utilization of this rank's device over the training part of the epoch, min
       over ranks; where NVML cannot serve it, the estimate ``1 - starvation_ratio``.
       ``util_from_nvml`` is 1 or 0 accordingly; ``band_low`` / ``band_high`` draw the band.
@@ -94,8 +96,10 @@ class DataLoaderTuner(Callback):
         stall_threshold_ms: for loaders that cannot report their queue, a fetch waiting longer than
             this is a stall.
         log_every_n_steps: also log step-granularity metrics every ``n`` optimizer steps; ``0``: off.
-        max_workers: most workers per rank; ``None``: usable CPUs (affinity and cgroup quota) shared
-            among the node's ranks, one left for the training process.
+        max_workers: most worker processes per rank; ``None``: 4 per usable CPU (affinity and
+            cgroup quota, shared among the node's ranks) minus one, room for I/O-bound workers. The
+            CPU rule is the policy's: CPU-bound workers stop where their measured CPU demand fills
+            the CPUs the training process leaves.
         memory_fraction: share of available RAM (and cgroup headroom) prefetched batches may hold.
         shm_fraction: share of free ``/dev/shm`` prefetched batches may hold.
         max_rebuilds: most config changes in one fit.

@@ -17,12 +17,12 @@ from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from lightning_dltune import DataLoaderTuner  # noqa: E402
 from workloads import SleepStepModule, SleepyDataModule, SleepyDataset  # noqa: E402
 
-SLOW_BATCH_COST_S = 0.03
-STEP_S = 0.01
+SLOW_BATCH_COST_S = 0.06
+STEP_S = 0.02
 
 
 class OneSlowRankData(SleepyDataModule):
-    """Rank 1 reads from slow storage (30 ms a batch); rank 0's data is free."""
+    """Rank 1 reads from slow storage (60 ms a batch); rank 0's data is free."""
 
     def setup(self, stage):
         super().setup(stage)
@@ -51,6 +51,7 @@ def main(out_dir):
         "rank": trainer.global_rank,
         "final_config": dm.loader_config.as_dict(),
         "live_workers": [dl.num_workers for dl in dm.live_loaders()],
+        "train_sampler": type(trainer.train_dataloader.sampler).__name__,
         "history": [
             {"epoch": r.epoch, "num_workers": r.num_workers, "starvation_ratio": r.starvation_ratio,
              "verdict": r.verdict, "next_workers": r.next_config.num_workers}

@@ -28,10 +28,10 @@ def test_logged_starvation_is_the_slow_ranks(ddp_run):
     out, ranks, _ = ddp_run
     logged = scalars(str(out / "tb"))
     first_epoch_starvation = logged["dltune/starvation_ratio"][0][1]
-    # rank 1 waits 30 ms for each batch of a 10 ms step: 0.75; rank 0 never waits on data (the first
-    # window is the early decision's, 10 batches into the first epoch)
+    # rank 1 waits 60 ms for each batch of a 20 ms step: 0.75; rank 0 never waits on data, so the
+    # ranks' mean would be ~0.375 (the first window is the early decision's, 10 batches in)
     assert ranks[0]["history"][0]["num_workers"] == 0
-    assert first_epoch_starvation == pytest.approx(0.75, abs=0.08)
+    assert 0.6 <= first_epoch_starvation <= 0.85
     assert ranks[0]["history"][0]["starvation_ratio"] == pytest.approx(first_epoch_starvation)
 
 
@@ -48,3 +48,5 @@ def test_every_rank_applies_the_same_decision(ddp_run):
     assert rank0["final_config"] == rank1["final_config"]
     assert rank0["history"][0]["next_workers"] > 0  # the starved job got workers
     assert rank0["live_workers"] == rank1["live_workers"] == [rank0["final_config"]["num_workers"]] * 2
+    # the rebuilt loaders are Lightning's own, with the DistributedSampler it injected
+    assert rank0["train_sampler"] == rank1["train_sampler"] == "DistributedSampler"
