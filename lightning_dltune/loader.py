@@ -169,12 +169,8 @@ class _ProbedIterator(Iterator):
         try:
             batch = next(self._it)
         except StopIteration:
-            if self._switch_to is None:
-                raise
-            # the old workers delivered all they were given: new ones take the rest of the epoch, and
-            # their first batch is start-up, not fetch wait
-            self._start_switched()
-            return self.__next__()
+            self._start_switched()  # or the epoch really ended
+            return self.__next__()  # the new workers' first batch: start-up, not fetch wait
         if recorder is not None:
             recorder.record_fetch(time.perf_counter() - t0, ready)
         self._consumed += 1
@@ -191,6 +187,9 @@ class _ProbedIterator(Iterator):
         self._it._sampler_iter = iter(())
 
     def _start_switched(self) -> None:
+        """The old workers delivered all they were given: new ones take the rest of the epoch."""
+        if self._switch_to is None:
+            raise StopIteration
         config, remaining = self._switch_to, self._remaining
         self._switch_to = self._remaining = None
         reconfigure(self._loader, config, self._loader.dltune_mp_context)
@@ -201,9 +200,7 @@ class _ProbedIterator(Iterator):
         try:
             batch = next(self._it)
         except StopIteration:
-            if self._switch_to is None:
-                raise
-            self._start_switched()
+            self._start_switched()  # or the epoch really ended
             return self._first_batch()
         except Exception as exc:
             fallback = self._loader.dltune_fallback
