@@ -635,7 +635,7 @@ def _record_to_dict(record: EpochRecord) -> dict[str, Any]:
     return {
         "epoch": record.epoch,
         "config": record.config.as_dict(),
-        "stats": {k: v for k, v in vars(record.stats).items()},
+        "stats": dict(vars(record.stats)),
         "verdict": record.verdict,
         "reason": record.reason,
         "next_config": record.next_config.as_dict(),

@@ -152,8 +152,13 @@ def test_users_own_lightning_cli_takes_the_callback_and_a_tunable_datamodule(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     lines = [l for l in output.splitlines() if l.startswith("[dltune] epoch")]
-    assert len(lines) == 2
-    assert "band 80%-90%" in output or "(estimate)" in lines[0]
+    assert len([l for l in lines if l.startswith("[dltune] epoch 1 ")]) == 1
+    # the YAML's arguments took effect: never past max_workers=3, no recommendation file written
+    import re
+
+    assert max(int(w) for w in re.findall(r"workers=(\d+)", output)) <= 3
+    assert any(re.search(r"next: workers=[1-3]", l) for l in lines)  # starved at 0 workers: it tuned
+    assert not list(tmp_path.rglob("dltune_recommendation.yaml"))
 
 
 def _free_port() -> int:
