@@ -202,6 +202,11 @@ class UtilizationSampler:
         return self._matched_by
 
     @property
+    def handle(self) -> Any:
+        """The NVML device handle in use (``None`` when unavailable), for diagnostics such as ``scripts/check_gpu.py``."""
+        return self._handle if self._available else None
+
+    @property
     def paused(self) -> bool:
         """``True`` between :meth:`pause` and :meth:`resume`."""
         return self._window.paused
