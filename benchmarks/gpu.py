@@ -69,7 +69,8 @@ def build_model(device: str, quick: bool) -> tuple[Any, str, bool]:
         from examples.image_pipeline import SmallCNN
 
         width = 8 if quick else 32
-        return SmallCNN(num_classes=10, width=width), f"SmallCNN(width={width}) from examples/image_pipeline.py ({err})", False
+        name = f"SmallCNN(width={width}) from examples/image_pipeline.py ({err})"
+        return SmallCNN(num_classes=10, width=width), name, False
 
     class ResNetClassifier(pl.LightningModule):
         def __init__(self) -> None:

@@ -329,7 +329,9 @@ class DataLoaderTuner(Callback):
         self._pause_util()
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         # the file is written after this hook: pausing here leaves all of the save out of the window
         self._pause_util()
 

@@ -48,7 +48,7 @@ UTIL_SOURCE_ESTIMATE = "estimate"
 MODE_SAMPLES = "samples"
 """Read from the driver's sample buffer (``nvmlDeviceGetSamples``), in batches, each sample weighted by its time."""
 MODE_RATES = "rates"
-"""``nvmlDeviceGetUtilizationRates`` polled every ``poll_interval_s``, each reading weighted by the time since the last."""
+"""``nvmlDeviceGetUtilizationRates`` polled every ``poll_interval_s``, each weighted by the time since the last."""
 _MODE_PROBING = "probing"  # samples not confirmed yet: read both, keep whichever serves
 
 # nvmlValueType_t -> nvmlValue_t field; utilization samples are "unsigned int" (uiVal).
@@ -203,7 +203,7 @@ class UtilizationSampler:
 
     @property
     def handle(self) -> Any:
-        """The NVML device handle in use (``None`` when unavailable), for diagnostics such as ``scripts/check_gpu.py``."""
+        """The NVML device handle in use (``None`` when unavailable), for diagnostics (``scripts/check_gpu.py``)."""
         return self._handle if self._available else None
 
     @property
@@ -388,7 +388,8 @@ class UtilizationSampler:
             try:  # the buffer is empty for now: rates must serve until a sample confirms samples mode
                 nvml.nvmlDeviceGetUtilizationRates(self._handle)
             except Exception as err:
-                self._disable(f"NVML serves no utilization for this device (samples: none yet; rates: {describe_nvml_error(err)})")
+                why = f"samples: none yet; rates: {describe_nvml_error(err)}"
+                self._disable(f"NVML serves no utilization for this device ({why})")
                 return
         stamps = sorted(int(s.timeStamp) for s in samples)
         self._cursor_us = stamps[-1] if stamps else 0

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-__all__ = ["GPU_IS_LOST", "NOT_FOUND", "cuda_device_identity", "describe_nvml_error", "find_handle", "is_mig", "nvml_code", "nvml_error_code"]
+__all__ = [
+    "GPU_IS_LOST",
+    "NOT_FOUND",
+    "cuda_device_identity",
+    "describe_nvml_error",
+    "find_handle",
+    "is_mig",
+    "nvml_code",
+    "nvml_error_code",
+]
 
 # NVML return codes (the same in every NVML release); the module's own names win when present.
 NOT_FOUND = 6
