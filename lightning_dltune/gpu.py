@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_dltune.nvml_device import (
     GPU_IS_LOST,
@@ -23,6 +23,8 @@ from lightning_dltune.nvml_device import (
     describe_nvml_error,
     find_handle,
     is_mig,
+    parse_device,
+    read_utilization_samples,
     nvml_code,
     nvml_error_code,
 )
@@ -50,9 +52,6 @@ MODE_SAMPLES = "samples"
 MODE_RATES = "rates"
 """``nvmlDeviceGetUtilizationRates`` polled every ``poll_interval_s``, each weighted by the time since the last."""
 _MODE_PROBING = "probing"  # samples not confirmed yet: read both, keep whichever serves
-
-# nvmlValueType_t -> nvmlValue_t field; utilization samples are "unsigned int" (uiVal).
-_VALUE_FIELDS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 # Samples mode is confirmed by a sample arriving; after this many empty reads spanning this long,
 # the driver does not serve samples for this device and polled rates take over.
@@ -137,7 +136,7 @@ class UtilizationSampler:
         ):
             raise ValueError(f"`poll_interval_s` must be a finite number > 0, got {poll_interval_s!r}.")
         self.poll_interval_s = float(poll_interval_s)
-        self._device_type, self._device_index = self._parse_device(device)
+        self._device_type, self._device_index = parse_device(device)
         self._pid = os.getpid()
         self._nvml: Any = None
         self._handle: Any = None
@@ -310,22 +309,6 @@ class UtilizationSampler:
         return state
 
     # -- setup ----------------------------------------------------------------------------------
-    @staticmethod
-    def _parse_device(device: Any) -> Tuple[Optional[str], Optional[int]]:
-        if device is None:
-            return None, None
-        if isinstance(device, str):
-            import torch
-
-            try:
-                device = torch.device(device)
-            except (RuntimeError, ValueError) as err:
-                raise ValueError(f"`device` must be a torch.device, a device string or None, got {device!r}.") from err
-        dev_type = getattr(device, "type", None)
-        if not isinstance(dev_type, str):
-            raise ValueError(f"`device` must be a torch.device, a device string or None, got {device!r}.")
-        return dev_type, getattr(device, "index", None)
-
     def _connect(self, nvml: Optional[object]) -> None:
         if self._device_type != "cuda":
             self._reason = f"not a CUDA device ({self._device_type or 'no device'})"
@@ -420,18 +403,11 @@ class UtilizationSampler:
     def _read_samples(self) -> list:
         """New samples as ``(timestamp_us, value in [0, 1])`` in time order; advances the cursor."""
         try:
-            value_type, samples = self._nvml.nvmlDeviceGetSamples(self._handle, self._util_samples, self._cursor_us)
+            out = read_utilization_samples(self._nvml, self._handle, self._util_samples, self._cursor_us)
         except Exception as err:
-            if nvml_error_code(err) != nvml_code(self._nvml, "NVML_ERROR_NOT_FOUND", NOT_FOUND):
-                self._failed("reading samples", err)
-                return []
-            value_type, samples = None, []  # no sample newer than the cursor
+            self._failed("reading samples", err)
+            return []
         self._failures = 0
-        field = _VALUE_FIELDS.get(int(value_type) if value_type is not None else 1, "uiVal")
-        cursor = self._cursor_us
-        out = sorted(
-            (ts, float(getattr(s.sampleValue, field)) / 100.0) for s in samples if (ts := int(s.timeStamp)) > cursor
-        )
         if not out:
             self._note_empty_read()
             return out

@@ -18,12 +18,17 @@ __all__ = [
     "is_mig",
     "nvml_code",
     "nvml_error_code",
+    "parse_device",
+    "read_utilization_samples",
 ]
 
 # NVML return codes (the same in every NVML release); the module's own names win when present.
 NOT_FOUND = 6
 GPU_IS_LOST = 15
 _MIG_ENABLE = 1
+
+# nvmlValueType_t -> nvmlValue_t field; utilization samples are "unsigned int" (uiVal).
+_VALUE_FIELDS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
 def cuda_device_identity(index: int) -> Tuple[Optional[str], Optional[str]]:
@@ -51,6 +56,47 @@ def cuda_device_identity(index: int) -> Tuple[Optional[str], Optional[str]]:
     domain = getattr(props, "pci_domain_id", 0) or 0
     pci = f"{int(domain):08X}:{int(bus):02X}:{int(dev):02X}.0" if bus is not None and dev is not None else None
     return (uuid_str or None), pci
+
+
+def parse_device(device: Any) -> Tuple[Optional[str], Optional[int]]:
+    """``(type, index)`` of a ``torch.device``, a device string or ``None``.
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if device is None:
+        return None, None
+    if isinstance(device, str):
+        import torch
+
+        try:
+            device = torch.device(device)
+        except (RuntimeError, ValueError) as err:
+            raise ValueError(f"`device` must be a torch.device, a device string or None, got {device!r}.") from err
+    dev_type = getattr(device, "type", None)
+    if not isinstance(dev_type, str):
+        raise ValueError(f"`device` must be a torch.device, a device string or None, got {device!r}.")
+    return dev_type, getattr(device, "index", None)
+
+
+def read_utilization_samples(nvml: Any, handle: Any, sample_type: int, cursor_us: int) -> list[Tuple[int, float]]:
+    """Utilization samples newer than ``cursor_us`` as ``(timestamp_us, value in [0, 1])``, oldest first.
+
+    NVML answers Not Found where no sample is newer than the cursor: that is an empty list here.
+
+    Raises:
+        Exception: any other NVML error, as the module raised it.
+    """
+    try:
+        value_type, samples = nvml.nvmlDeviceGetSamples(handle, sample_type, cursor_us)
+    except Exception as err:
+        if nvml_error_code(err) != nvml_code(nvml, "NVML_ERROR_NOT_FOUND", NOT_FOUND):
+            raise
+        return []
+    field = _VALUE_FIELDS.get(int(value_type) if value_type is not None else 1, "uiVal")
+    return sorted(
+        (ts, float(getattr(s.sampleValue, field)) / 100.0) for s in samples if (ts := int(s.timeStamp)) > cursor_us
+    )
 
 
 def find_handle(nvml: Any, uuid: Optional[str], pci: Optional[str]) -> Tuple[Any, Optional[str], bool, str]:
