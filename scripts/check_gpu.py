@@ -108,11 +108,14 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _pci_key(bus_id: str) -> tuple[int, ...]:
+def _pci_key(bus_id: Optional[str]) -> Optional[tuple[int, ...]]:
     """``"00000000:3B:00.0"`` or ``"0000:3b:00.0"`` as numbers, so both spellings compare equal."""
-    domain, bus, rest = bus_id.strip().split(":")
-    device, function = rest.split(".")
-    return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
+    try:
+        domain, bus, rest = bus_id.strip().split(":")
+        device, function = rest.split(".")
+        return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
+    except (AttributeError, ValueError):
+        return None
 
 
 def check_identity(index: int, checks: Checks, load: Optional[Load] = None) -> dict[str, Any]:
@@ -130,8 +133,8 @@ def check_identity(index: int, checks: Checks, load: Optional[Load] = None) -> d
     nvml_pci = _text(pynvml.nvmlDeviceGetPciInfo(handle).busId)
     info.update(nvml_uuid=nvml_uuid, nvml_pci=nvml_pci)
     checks.add("NVML UUID of the handle == GPU- + torch UUID", nvml_uuid == torch_uuid, nvml_uuid, torch_uuid)
-    checks.add("PCI bus ids match", pci is not None and _pci_key(nvml_pci) == _pci_key(pci), [nvml_pci, pci],
-               "the same bus id")
+    checks.add("PCI bus ids match", _pci_key(pci) is not None and _pci_key(nvml_pci) == _pci_key(pci),
+               [nvml_pci, pci], "the same bus id")
     checks.add("matched by UUID, not the PCI fallback", sampler.matched_by == "uuid", sampler.matched_by, "'uuid'")
     (load or Load(torch.device("cuda", index))).busy(1.5, sampler)
     checks.add("samples mode is live", sampler.mode == MODE_SAMPLES, sampler.mode, f"{MODE_SAMPLES!r}")
@@ -162,7 +165,10 @@ def check_raw_samples(handle: Any, load: Load, checks: Checks) -> dict[str, Any]
 
     kind = pynvml.NVML_GPU_UTILIZATION_SAMPLES
     load.busy(1.0)
-    value_type, samples = pynvml.nvmlDeviceGetSamples(handle, kind, 0)
+    try:
+        value_type, samples = pynvml.nvmlDeviceGetSamples(handle, kind, 0)
+    except pynvml.NVMLError as err:  # Not Found: an empty buffer after a busy second fails the checks below
+        value_type, samples = f"error: {err}", []
     values = [s.sampleValue.uiVal for s in samples]
     stamps = sorted(int(s.timeStamp) for s in samples)
     steps = [b - a for a, b in zip(stamps, stamps[1:]) if b > a]
@@ -170,7 +176,8 @@ def check_raw_samples(handle: Any, load: Load, checks: Checks) -> dict[str, Any]
     checks.add("sample value type is unsigned int", value_type == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
                value_type, f"{pynvml.NVML_VALUE_TYPE_UNSIGNED_INT}")
     checks.add("sample values in 0-100", bool(values) and all(0 <= v <= 100 for v in values),
-               [min(values, default=None), max(values, default=None), len(values)], "0 <= v <= 100, some samples")
+               {"min": min(values, default=None), "max": max(values, default=None), "count": len(values)},
+               "0 <= v <= 100, some samples")
     newest = stamps[-1] if stamps else 0
     again = _samples_after(handle, newest)
     checks.add("asking again from the newest timestamp returns nothing older",

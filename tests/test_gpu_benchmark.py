@@ -128,3 +128,81 @@ def test_check_gpu_without_cuda_exits_2_with_a_clear_message():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stdout
+
+
+class _FakeLoad:
+    """check_gpu's busy and idle phases, played on a fake device sampled on the wall clock."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+
+    def _hold(self, value: int, seconds: float, samplers) -> None:
+        import time
+
+        self.device.set(value)
+        end = time.perf_counter() + seconds
+        while (now := time.perf_counter()) < end:
+            time.sleep(min(0.01, end - now))
+            for sampler in samplers:
+                sampler.maybe_poll(time.perf_counter())
+
+    def busy(self, seconds, *samplers) -> None:
+        self._hold(100, seconds, samplers)
+        self.device.set(0)  # the GPU idles once the loop stops feeding it
+
+    def idle(self, seconds, *samplers) -> None:
+        self._hold(0, seconds, samplers)
+
+    def duty(self, seconds, on_s, *samplers) -> None:
+        import time
+
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            self.busy(on_s, *samplers)
+            self.idle(on_s, *samplers)
+
+
+def test_check_gpu_passes_every_check_against_a_faithful_fake_device(monkeypatch):
+    """The whole NVML check, CUDA and the driver faked as tests/test_gpu.py fakes them: the script runs through."""
+    import types
+
+    import torch
+    from test_gpu import LiveGPU, LiveNVML
+
+    import lightning_dltune.gpu as gpu_module
+
+    pynvml = pytest.importorskip("pynvml")
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import check_gpu
+
+    device = LiveGPU()
+    device.timeline = [(0, 0)]
+    nvml = LiveNVML(device)
+    for name in ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByPciBusId",
+                 "nvmlDeviceGetSamples", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMigMode",
+                 "nvmlDeviceIsMigDeviceHandle"):
+        monkeypatch.setattr(pynvml, name, getattr(nvml, name))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda handle: handle.uuid)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPciInfo", lambda handle: types.SimpleNamespace(busId=b"00000000:3B:00.0"))
+    identity = lambda index: (device.uuid[4:], "00000000:3B:00.0")  # noqa: E731  torch's UUID has no prefix
+    monkeypatch.setattr(gpu_module, "cuda_device_identity", identity)
+    monkeypatch.setattr(check_gpu, "cuda_device_identity", identity)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(check_gpu, "Load", lambda torch_device: _FakeLoad(device))
+    monkeypatch.setattr(check_gpu, "WINDOW_S", 1.0)
+    monkeypatch.setattr(check_gpu, "POLL_S", 0.1)
+
+    result = check_gpu.run_checks(0, child=False)
+
+    failed = [c for c in result["checks"] if not c["ok"]]
+    assert result["passed"], failed
+    names = " | ".join(c["name"] for c in result["checks"])
+    for expected in ("NVML UUID of the handle == GPU- + torch UUID", "PCI bus ids match", "matched by UUID",
+                     "samples mode is live", "sample values in 0-100", "nothing older", "idle sleep",
+                     "busy window", "idle window", "50 % duty cycle", "with the idle part paused", "without the pause"):
+        assert expected in names
+    accuracy = result["accuracy"]
+    assert accuracy["busy/idle/busy"]["paused"] >= 0.9 and accuracy["busy/idle/busy"]["unpaused"] <= 0.75
+    json.dumps(result, default=str)  # what benchmarks/gpu.py writes
