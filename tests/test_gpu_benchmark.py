@@ -206,3 +206,16 @@ def test_check_gpu_passes_every_check_against_a_faithful_fake_device(monkeypatch
     accuracy = result["accuracy"]
     assert accuracy["busy/idle/busy"]["paused"] >= 0.9 and accuracy["busy/idle/busy"]["unpaused"] <= 0.75
     json.dumps(result, default=str)  # what benchmarks/gpu.py writes
+
+
+def test_nvml_mode_per_window_is_read_back_from_the_logged_metrics(tmp_path):
+    log = tmp_path / "log" / "version_0"
+    log.mkdir(parents=True)
+    (log / "metrics.csv").write_text(
+        "dltune/starvation_ratio,dltune/util_from_samples,epoch,step,train_loss\n"
+        ",,0,4,2.3\n"          # the model's own metrics: not a window
+        "0.5,1.0,,9,\n"
+        "0.1,0.0,,19,\n"
+        "0.2,,,29,\n"          # a window measured by the estimate
+    )
+    assert gpu_bench._logged_nvml_modes(str(tmp_path), 4) == ["samples", "rates", None, None]
