@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.datamodule import TunableDataModule, _flatten
-from lightning_dltune.gpu import UtilizationSampler
+from lightning_dltune.gpu import MODE_SAMPLES, UTIL_SOURCE_ESTIMATE, UTIL_SOURCE_NVML, UtilizationSampler
 from lightning_dltune.loader import TunedDataLoader, counters_of, loader_config_of
 from lightning_dltune.measurement import WindowMeter
 from lightning_dltune.policy import Budget, Decision, EpochRecord, PolicySettings, decide
@@ -25,7 +25,7 @@ from lightning_dltune.resources import rank_budget
 from lightning_dltune.stats import WindowStats
 from lightning_dltune.tensorboard import custom_scalars_layout, tag
 
-UTIL_SOURCE_CHOICES = ("auto", "nvml", "estimate")
+UTIL_SOURCE_CHOICES = ("auto", UTIL_SOURCE_NVML, UTIL_SOURCE_ESTIMATE)
 
 
 class _TimedFetches(Iterator):
@@ -70,7 +70,11 @@ class DataLoaderTuner(Callback):
       waits and step times are the job's: the others wait for it at the gradient all-reduce).
     - ``gpu_util``: NVML utilization of this rank's device over the training part of the epoch, min
       over ranks; where NVML cannot serve it, the estimate ``1 - starvation_ratio``.
-      ``util_from_nvml`` is 1 or 0 accordingly; ``band_low`` / ``band_high`` draw the band.
+      ``util_from_nvml`` is 1 or 0 accordingly; where it is 1, ``util_from_samples`` is 1 when the
+      driver's sample buffer served the window and 0 when polled utilization rates did (a device
+      whose driver keeps no samples). Validation, checkpoint saving and loader start-up are not
+      training: NVML time from a pause until the next training batch starts is left out.
+      ``band_low`` / ``band_high`` draw the band.
     - ``fetch_wait_ms``, ``fetch_wait_p50_ms``, ``fetch_wait_p95_ms``, ``step_ms``, ``step_p50_ms``,
       ``step_p95_ms``: per-batch mean and percentiles.
     - ``stalls``, ``stall_fraction``: fetches that found no ready batch. Exact for loaders built by
@@ -201,6 +205,7 @@ class DataLoaderTuner(Callback):
         self._batch_size = 0
         self._batch_bytes: Optional[int] = None
         self._counter_marks: list[tuple[Any, tuple[float, float, float]]] = []
+        self._util_paused = False  # NVML time is not training until the next train batch starts
         self._last_step_logged = -1
         self._warned: set[str] = set()
 
@@ -219,9 +224,10 @@ class DataLoaderTuner(Callback):
             )
         device = trainer.strategy.root_device
         self._sampler = UtilizationSampler(
-            None if self.util_source == "estimate" else device, poll_interval_s=self.nvml_poll_interval_s
+            None if self.util_source == UTIL_SOURCE_ESTIMATE else device, poll_interval_s=self.nvml_poll_interval_s
         )
-        if self.util_source == "nvml" and not self._sampler.available:
+        self._util_paused = False
+        if self.util_source == UTIL_SOURCE_NVML and not self._sampler.available:
             rank_zero_warn(
                 f"DataLoaderTuner(util_source='nvml'): NVML cannot serve {device}"
                 f" ({self._sampler.unavailable_reason}); using the estimate 1 - starvation_ratio."
@@ -245,6 +251,7 @@ class DataLoaderTuner(Callback):
         if self._sampler is not None:
             self._sampler.close()
             self._sampler = None
+        self._util_paused = False
         for loader in _flatten(trainer.train_dataloader):
             if isinstance(loader, TunedDataLoader):
                 loader.fetch_recorder = None
@@ -274,6 +281,7 @@ class DataLoaderTuner(Callback):
         ]
         if self._sampler is not None:
             self._sampler.start_window()
+            self._pause_util()  # loader start-up is not training: the first batch resumes
         self._epoch_cpu_started = time.process_time()
         self._epoch_started = time.perf_counter()
 
@@ -298,6 +306,8 @@ class DataLoaderTuner(Callback):
         now = time.perf_counter()
         if self._first_batch:
             self._on_first_batch(trainer, batch, now)
+        if self._util_paused:
+            self._resume_util()
         self._step_started = now
 
     @override
@@ -315,11 +325,23 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._sampler is not None:
-            self._sampler.pause()
+        # resumed by the next training batch, so a checkpoint saved at validation end stays out too
+        self._pause_util()
 
     @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # the file is written after this hook: pausing here leaves all of the save out of the window
+        self._pause_util()
+
+    def _pause_util(self) -> None:
+        if self._sampler is not None:
+            self._sampler.pause()
+            self._util_paused = True
+
+    def _resume_util(self) -> None:
+        self._util_paused = False
         if self._sampler is not None:
             self._sampler.resume()
 
@@ -545,7 +567,7 @@ class DataLoaderTuner(Callback):
         metrics = {
             "starvation_ratio": s.starvation_ratio,
             "gpu_util": s.utilization,
-            "util_from_nvml": 1.0 if s.util_source == "nvml" else 0.0,
+            "util_from_nvml": 1.0 if s.util_source == UTIL_SOURCE_NVML else 0.0,
             "band_low": self.band[0],
             "band_high": self.band[1],
             "fetch_wait_ms": 1e3 * s.fetch_wait_mean_s,
@@ -562,6 +584,9 @@ class DataLoaderTuner(Callback):
             "prefetch_factor": float(record.config.prefetch_factor),
             "rebuilds": float(self.rebuilds),
         }
+        window_mode = self._sampler.window_mode if self._sampler is not None else None
+        if s.util_source == UTIL_SOURCE_NVML and window_mode is not None:
+            metrics["util_from_samples"] = 1.0 if window_mode == MODE_SAMPLES else 0.0
         if s.queue_depth is not None:
             metrics["queue_depth"] = s.queue_depth
         if s.worker_batch_s is not None:

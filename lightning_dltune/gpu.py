@@ -14,33 +14,54 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from lightning_dltune.nvml_device import (
+    GPU_IS_LOST,
+    NOT_FOUND,
+    cuda_device_identity,
+    describe_nvml_error,
+    find_handle,
+    is_mig,
+    parse_device,
+    read_utilization_samples,
+    nvml_code,
+    nvml_error_code,
+)
+from lightning_dltune.utilization import UtilizationWindow
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["UtilizationSampler", "cuda_device_identity"]
+__all__ = [
+    "MODE_RATES",
+    "MODE_SAMPLES",
+    "UTIL_SOURCE_ESTIMATE",
+    "UTIL_SOURCE_NVML",
+    "UtilizationSampler",
+    "cuda_device_identity",
+]
 
-_SOURCE_NVML = "nvml"
-_SOURCE_ESTIMATE = "estimate"
+UTIL_SOURCE_NVML = "nvml"
+"""``util_source`` of a utilization measured by NVML."""
+UTIL_SOURCE_ESTIMATE = "estimate"
+"""``util_source`` of a utilization estimated as ``1 - starvation ratio``."""
 
-# How the sampler reads NVML once it is available.
-_MODE_SAMPLES = "samples"  # nvmlDeviceGetSamples: the driver's own sample buffer, read in batches
-_MODE_RATES = "rates"  # nvmlDeviceGetUtilizationRates: one reading per poll
+MODE_SAMPLES = "samples"
+"""Read from the driver's sample buffer (``nvmlDeviceGetSamples``), in batches, each sample weighted by its time."""
+MODE_RATES = "rates"
+"""``nvmlDeviceGetUtilizationRates`` polled every ``poll_interval_s``, each weighted by the time since the last."""
+_MODE_PROBING = "probing"  # samples not confirmed yet: read both, keep whichever serves
 
-# NVML return codes (same values in every NVML release); the module's own names win when present.
-_NOT_SUPPORTED = 3
-_NOT_FOUND = 6
-_FUNCTION_NOT_FOUND = 13
-_MIG_ENABLE = 1
+# Samples mode is confirmed by a sample arriving; after this many empty reads spanning this long,
+# the driver does not serve samples for this device and polled rates take over.
+_CONFIRM_READS = 3
+_CONFIRM_US = 2e6
 
-# nvmlValueType_t -> nvmlValue_t field; utilization samples are "unsigned int" (uiVal).
-_VALUE_FIELDS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
-
-# NVML sample timestamps are "CPU timestamp in microseconds" (wall clock). If the newest sample is
-# further than this from time.time(), the clocks are not comparable and samples are attributed by
-# when they were collected instead (collection also happens at every pause/resume boundary).
-_CLOCK_SKEW_LIMIT_US = 60e6
+# A failed read is retried after poll_interval_s x 2**failures (at most _MAX_BACKOFF_S); this many
+# failures in a row, or a lost GPU, stop NVML for the fit.
+_MAX_FAILURES = 5
+_MAX_BACKOFF_S = 60.0
 
 
 def _now_us() -> float:
@@ -48,50 +69,30 @@ def _now_us() -> float:
     return time.time() * 1e6
 
 
-def cuda_device_identity(index: int) -> Tuple[Optional[str], Optional[str]]:
-    """``(uuid, pci_bus_id)`` of CUDA device ``index`` as this process sees it.
-
-    ``index`` is torch's ordinal, i.e. after ``CUDA_VISIBLE_DEVICES`` reordering; that is why NVML
-    (which numbers all devices of the machine) is addressed by UUID or PCI bus id, never by index.
-    The UUID is returned with NVML's prefix (``"GPU-..."``) when torch already gives one, bare
-    otherwise. Initialises CUDA in this process (the training process does that anyway).
-
-    Raises:
-        RuntimeError: where torch has no CUDA device ``index`` (CPU or ROCm build, bad index).
-    """
-    import torch
-
-    if getattr(torch.version, "hip", None):
-        raise RuntimeError("ROCm build of torch: NVML does not serve AMD devices")
-    if not torch.cuda.is_available():
-        raise RuntimeError("torch reports no CUDA device")
-    props = torch.cuda.get_device_properties(index)
-    uuid = getattr(props, "uuid", None)
-    uuid_str = str(uuid).strip() if uuid is not None else None
-    bus = getattr(props, "pci_bus_id", None)
-    dev = getattr(props, "pci_device_id", None)
-    domain = getattr(props, "pci_domain_id", 0) or 0
-    pci = f"{int(domain):08X}:{int(bus):02X}:{int(dev):02X}.0" if bus is not None and dev is not None else None
-    return (uuid_str or None), pci
-
-
 class UtilizationSampler:
     """Mean NVML ``utilization.gpu`` of this rank's device over the training part of a window.
 
     What it measures: the percentage of time over the driver's sample period during which one or
-    more kernels ran on the device (``nvidia-smi``'s ``GPU-Util``), averaged over the samples whose
-    time lies inside training: after :meth:`start_window`, and not between :meth:`pause` and
-    :meth:`resume` (validation, checkpointing). Values are returned in ``[0, 1]``.
+    more kernels ran on the device (``nvidia-smi``'s ``GPU-Util``), averaged over the training part
+    of the window: after :meth:`start_window`, and not between :meth:`pause` and :meth:`resume`
+    (validation, checkpointing). Each reading counts for the time it covers, so a burst of samples
+    does not outweigh a quiet stretch, and a stretch in which the driver stopped sampling an idle GPU
+    counts as idle. Values are returned in ``[0, 1]``.
 
-    Where ``nvmlDeviceGetSamples`` serves, the driver keeps the samples and the sampler reads them
-    in batches every ``poll_interval_s`` (no thread); elsewhere it reads
-    ``nvmlDeviceGetUtilizationRates`` once per poll. :meth:`maybe_poll` is meant for every batch: in
-    the common case it is one float comparison.
+    How it reads NVML (:attr:`mode`): where the driver keeps utilization samples
+    (``nvmlDeviceGetSamples``) the sampler reads them in batches every ``poll_interval_s`` (no
+    thread), once the first sample has confirmed that the device serves them (``"samples"``);
+    where none arrives, it polls ``nvmlDeviceGetUtilizationRates`` every ``poll_interval_s`` over
+    the training part (``"rates"``). :attr:`window_mode` says which one served the last
+    :meth:`window_mean`. :meth:`maybe_poll` is meant for every batch: in the common case it is one
+    float comparison.
 
-    The device is matched to its NVML handle by UUID (then PCI bus id), never by index, so
-    ``CUDA_VISIBLE_DEVICES`` reordering cannot point it at a neighbour's GPU. Absent NVML is a
-    normal case: the sampler never raises for it, reports ``available == False``,
-    ``source == "estimate"`` and an ``unavailable_reason``.
+    The device is matched to its NVML handle by UUID (then PCI bus id; :attr:`matched_by` says
+    which), never by index, so ``CUDA_VISIBLE_DEVICES`` reordering cannot point it at a neighbour's
+    GPU. Absent NVML is a normal case: the sampler never raises for it, reports
+    ``available == False``, ``source == "estimate"`` and an ``unavailable_reason``. A failed read is
+    retried with a growing delay; NVML is given up for the fit only after repeated failures in a
+    row (or a lost GPU), with the last error as the reason.
 
     Build it, poll it and close it in the training process only; it stays silent in any other
     process (DataLoader workers), and a pickled or deep-copied sampler is an unavailable one.
@@ -114,10 +115,10 @@ class UtilizationSampler:
         for batch in loader:
             sampler.maybe_poll(time.perf_counter())
             train_step(batch)
-        sampler.pause()  # validation
+        sampler.pause()  # validation, checkpointing
         validate()
         sampler.resume()
-        util = sampler.window_mean()  # e.g. 0.91, or None with sampler.unavailable_reason
+        util = sampler.window_mean()  # e.g. 0.91 (sampler.window_mode: "samples"), or None
         sampler.close()
     """
 
@@ -135,7 +136,7 @@ class UtilizationSampler:
         ):
             raise ValueError(f"`poll_interval_s` must be a finite number > 0, got {poll_interval_s!r}.")
         self.poll_interval_s = float(poll_interval_s)
-        self._device_type, self._device_index = self._parse_device(device)
+        self._device_type, self._device_index = parse_device(device)
         self._pid = os.getpid()
         self._nvml: Any = None
         self._handle: Any = None
@@ -143,16 +144,16 @@ class UtilizationSampler:
         self._available = False
         self._reason: Optional[str] = None
         self._mode: Optional[str] = None
-        self._util_samples = 0
-        # window state
-        self._paused = False
+        self._mode_note: Optional[str] = None
+        self._matched_by: Optional[str] = None
+        self._util_samples = 1
+        self._failures = 0
+        self._cursor_us = 0  # NVML cursor: newest sample timestamp already read
+        self._probe_started_us = 0.0
+        self._empty_reads = 0
         self._next_poll = math.inf  # the whole per-batch cost: ``now < self._next_poll``
-        self._sum = 0.0
-        self._count = 0
-        self._last_seen_us = 0  # NVML cursor: newest sample timestamp already read
-        self._clock_ok = True
-        self._window_start_us = 0.0
-        self._pauses: list[list[float]] = []  # [pause_us, resume_us or inf] of this window
+        self._window = UtilizationWindow()
+        self._window_mode: Optional[str] = None
         try:
             self._connect(nvml)
         except Exception as err:  # never raise for NVML: an unexpected failure is one more reason
@@ -171,7 +172,7 @@ class UtilizationSampler:
     @property
     def source(self) -> str:
         """``"nvml"`` when measured, ``"estimate"`` when the tuner must estimate utilization."""
-        return _SOURCE_NVML if self._available else _SOURCE_ESTIMATE
+        return UTIL_SOURCE_NVML if self._available else UTIL_SOURCE_ESTIMATE
 
     @property
     def unavailable_reason(self) -> Optional[str]:
@@ -180,46 +181,67 @@ class UtilizationSampler:
 
     @property
     def mode(self) -> Optional[str]:
-        """``"samples"`` (driver sample buffer), ``"rates"`` (one reading per poll) or ``None``."""
+        """How NVML is read now: ``"samples"`` (confirmed by a sample), ``"rates"``, ``"probing"``
+        (samples not confirmed yet; rates are polled meanwhile) or ``None`` when unavailable."""
         return self._mode if self._available else None
 
     @property
+    def mode_note(self) -> Optional[str]:
+        """Why rates are polled instead of samples (``None`` in samples mode)."""
+        return self._mode_note if self._mode != MODE_SAMPLES else None
+
+    @property
+    def window_mode(self) -> Optional[str]:
+        """``"samples"`` or ``"rates"``: what served the last :meth:`window_mean` (``None``: nothing did)."""
+        return self._window_mode
+
+    @property
+    def matched_by(self) -> Optional[str]:
+        """How the NVML handle was found: ``"uuid"`` or ``"pci_bus_id"`` (``None``: not found)."""
+        return self._matched_by
+
+    @property
+    def handle(self) -> Any:
+        """The NVML device handle in use (``None`` when unavailable), for diagnostics (``scripts/check_gpu.py``)."""
+        return self._handle if self._available else None
+
+    @property
+    def paused(self) -> bool:
+        """``True`` between :meth:`pause` and :meth:`resume`."""
+        return self._window.paused
+
+    @property
     def sample_count(self) -> int:
-        """Samples counted in the current window so far."""
-        return self._count
+        """Readings counted in the current window so far (of the mode that serves it)."""
+        acc = self._window.serving(self._mode == MODE_SAMPLES)
+        return acc.count if acc is not None else 0
 
     # -- window control -------------------------------------------------------------------------
     def start_window(self) -> None:
-        """Begin a training window (an epoch): forget every older sample."""
+        """Begin a training window (an epoch): forget every older reading."""
         if not self._live():
             return
-        if self._mode == _MODE_SAMPLES:
-            self._read_samples()  # advance the cursor past older samples; they are dropped below
-        self._sum = 0.0
-        self._count = 0
-        self._paused = False
-        self._pauses = []
-        self._window_start_us = _now_us()
+        if self._mode != MODE_RATES:
+            self._window.skip_samples(self._read_samples())  # older samples are not this window's
+        self._window.start(_now_us())
+        self._window_mode = None
         self._next_poll = time.perf_counter() + self.poll_interval_s
 
     def pause(self) -> None:
-        """Training pauses (validation begins): samples after this are not counted."""
-        if self._paused or not self._live():
+        """Training pauses (validation, a checkpoint): time after this is not counted."""
+        if self.paused or not self._live():
             return
         self._collect()  # what was measured up to here was training
-        self._paused = True
-        self._pauses.append([_now_us(), math.inf])
+        self._window.pause(_now_us())
         self._next_poll = math.inf
 
     def resume(self) -> None:
-        """Training resumes (validation ended)."""
-        if not self._paused or not self._live():
+        """Training resumes."""
+        if not self.paused or not self._live():
             return
-        if self._mode == _MODE_SAMPLES:
-            self._collect()  # samples of the pause: read now so none is counted as training
-        if self._pauses:
-            self._pauses[-1][1] = _now_us()
-        self._paused = False
+        if self._mode != MODE_RATES:
+            self._collect()  # samples of the pause: read now so that none is counted as training
+        self._window.resume(_now_us())
         self._next_poll = time.perf_counter() + self.poll_interval_s
 
     def maybe_poll(self, now: float) -> None:
@@ -229,23 +251,30 @@ class UtilizationSampler:
         self._next_poll = now + self.poll_interval_s
         if self._live():
             self._collect()
+            if self._failures and self._available:  # back off: retry after a growing delay
+                self._next_poll = now + min(_MAX_BACKOFF_S, self.poll_interval_s * 2**self._failures)
 
     def window_mean(self) -> Optional[float]:
         """Mean utilization in ``[0, 1]`` over the training part of the window; ``None`` without data.
 
-        Reads NVML a last time (unless paused). ``None`` when NVML is unavailable or no sample fell
-        inside training.
+        Reads NVML a last time (unless paused). ``None`` when NVML is unavailable or no reading fell
+        inside training. :attr:`window_mode` says whether samples or polled rates served it.
         """
         if not self._live():
             return None
-        if not self._paused:
+        if not self.paused:
             self._collect()
-            if self._count == 0 and self._available and self._mode == _MODE_SAMPLES:
-                # a window shorter than the driver's sample period: one instantaneous reading
-                self._read_rate()
-        if not self._available or self._count == 0:
+        window = self._window
+        acc = window.serving(self._mode == MODE_SAMPLES)
+        if acc is None and self._available and not self.paused:
+            # a window shorter than the driver's sample period: one instantaneous reading
+            self._read_rate(whole_window=True)
+            acc = window.serving(self._mode == MODE_SAMPLES)
+        if not self._available or acc is None:
+            self._window_mode = None
             return None
-        return min(1.0, max(0.0, self._sum / self._count))
+        self._window_mode = MODE_SAMPLES if acc is window.samples else MODE_RATES
+        return window.mean_of_samples(_now_us()) if acc is window.samples else acc.mean()
 
     def close(self) -> None:
         """Release NVML (``nvmlShutdown``) if this sampler initialised it. Idempotent."""
@@ -280,22 +309,6 @@ class UtilizationSampler:
         return state
 
     # -- setup ----------------------------------------------------------------------------------
-    @staticmethod
-    def _parse_device(device: Any) -> Tuple[Optional[str], Optional[int]]:
-        if device is None:
-            return None, None
-        if isinstance(device, str):
-            import torch
-
-            try:
-                device = torch.device(device)
-            except (RuntimeError, ValueError) as err:
-                raise ValueError(f"`device` must be a torch.device, a device string or None, got {device!r}.") from err
-        dev_type = getattr(device, "type", None)
-        if not isinstance(dev_type, str):
-            raise ValueError(f"`device` must be a torch.device, a device string or None, got {device!r}.")
-        return dev_type, getattr(device, "index", None)
-
     def _connect(self, nvml: Optional[object]) -> None:
         if self._device_type != "cuda":
             self._reason = f"not a CUDA device ({self._device_type or 'no device'})"
@@ -310,7 +323,7 @@ class UtilizationSampler:
         try:
             nvml.nvmlInit()
         except Exception as err:
-            self._reason = f"NVML init failed (no NVIDIA driver?): {_describe(err)}"
+            self._reason = f"NVML init failed (no NVIDIA driver?): {describe_nvml_error(err)}"
             return
         self._initialised = True
         index = self._device_index
@@ -323,78 +336,48 @@ class UtilizationSampler:
         except Exception as err:
             self._disable(f"cannot identify cuda:{index if index is not None else '?'}: {err}")
             return
-        handle, is_mig, why = self._find_handle(uuid, pci)
+        handle, self._matched_by, mig_slice, why = find_handle(self._nvml, uuid, pci)
         if handle is None:
             self._disable(why)
             return
         self._handle = handle
-        if is_mig or self._is_mig(handle):
+        if mig_slice or is_mig(self._nvml, handle):
             self._disable("MIG enabled: NVML reports no utilization for MIG devices")
             return
         self._probe()
 
-    def _find_handle(self, uuid: Optional[str], pci: Optional[str]) -> Tuple[Any, bool, str]:
-        """Handle of the device by UUID, else PCI bus id; returns ``(handle, is_mig_slice, why_not)``."""
-        nvml = self._nvml
-        errors = []
-        if uuid:
-            bare = uuid[4:] if uuid[:4] in ("GPU-", "MIG-") else uuid
-            candidates = [uuid] if uuid != bare else ["GPU-" + bare, "MIG-" + bare]
-            for name in candidates:
-                try:
-                    return nvml.nvmlDeviceGetHandleByUUID(name), name.startswith("MIG-"), ""
-                except Exception as err:
-                    errors.append(f"UUID {name}: {_describe(err)}")
-        if pci:
-            try:
-                return nvml.nvmlDeviceGetHandleByPciBusId(pci), False, ""
-            except Exception as err:
-                errors.append(f"PCI bus id {pci}: {_describe(err)}")
-        if not errors:
-            return None, False, "torch gives neither UUID nor PCI bus id for the device"
-        return None, False, "no NVML device matches (" + "; ".join(errors) + ")"
-
-    def _is_mig(self, handle: Any) -> bool:
-        nvml = self._nvml
-        is_mig_handle = getattr(nvml, "nvmlDeviceIsMigDeviceHandle", None)
-        if is_mig_handle is not None:
-            try:
-                flag = is_mig_handle(handle)  # pynvml returns a c_uint
-                if int(getattr(flag, "value", flag) or 0):
-                    return True
-            except Exception:
-                pass  # older drivers/GPUs: no MIG
-        get_mig_mode = getattr(nvml, "nvmlDeviceGetMigMode", None)
-        if get_mig_mode is not None:
-            try:
-                current = get_mig_mode(handle)[0]
-                return int(current) == int(getattr(nvml, "NVML_DEVICE_MIG_ENABLE", _MIG_ENABLE))
-            except Exception:
-                pass  # NotSupported: a GPU without MIG
-        return False
-
     def _probe(self) -> None:
-        """Choose samples or rates, whichever this device serves."""
+        """Samples if the first read returns any; probing if the buffer is empty; rates if samples fail."""
         nvml = self._nvml
         self._util_samples = int(getattr(nvml, "NVML_GPU_UTILIZATION_SAMPLES", 1))
+        self._probe_started_us = _now_us()
         try:
             _, samples = nvml.nvmlDeviceGetSamples(self._handle, self._util_samples, 0)
-            self._last_seen_us = max((int(s.timeStamp) for s in samples), default=0)
-            self._mode = _MODE_SAMPLES
         except Exception as err:
-            if _code(err) == _code_of(nvml, "NVML_ERROR_NOT_FOUND", _NOT_FOUND):
-                self._mode = _MODE_SAMPLES  # served, but the buffer is empty for now
-            else:
-                samples_err = _describe(err)
+            if nvml_error_code(err) != nvml_code(nvml, "NVML_ERROR_NOT_FOUND", NOT_FOUND):
                 try:
                     nvml.nvmlDeviceGetUtilizationRates(self._handle)
-                    self._mode = _MODE_RATES
                 except Exception as err2:
                     self._disable(
-                        f"NVML serves no utilization for this device (samples: {samples_err}; "
-                        f"rates: {_describe(err2)})"
+                        f"NVML serves no utilization for this device (samples: {describe_nvml_error(err)}; "
+                        f"rates: {describe_nvml_error(err2)})"
                     )
                     return
+                self._mode, self._mode_note = MODE_RATES, f"nvmlDeviceGetSamples failed: {describe_nvml_error(err)}"
+                self._available = True
+                return
+            samples = []
+        if not samples:
+            try:  # the buffer is empty for now: rates must serve until a sample confirms samples mode
+                nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            except Exception as err:
+                why = f"samples: none yet; rates: {describe_nvml_error(err)}"
+                self._disable(f"NVML serves no utilization for this device ({why})")
+                return
+        stamps = sorted(int(s.timeStamp) for s in samples)
+        self._cursor_us = stamps[-1] if stamps else 0
+        self._window.skip_samples([(ts, 0.0) for ts in stamps])  # learn the driver's period and clock
+        self._mode = MODE_SAMPLES if stamps else _MODE_PROBING
         self._available = True
         self._reason = None
 
@@ -412,63 +395,57 @@ class UtilizationSampler:
         return True
 
     def _collect(self) -> None:
-        if self._mode == _MODE_SAMPLES:
-            self._add_samples(self._read_samples())
-        elif not self._paused:
+        if self._mode != MODE_RATES:
+            self._window.add_samples(self._read_samples())
+        if self._mode != MODE_SAMPLES and self._available and not self.paused:
             self._read_rate()
 
     def _read_samples(self) -> list:
+        """New samples as ``(timestamp_us, value in [0, 1])`` in time order; advances the cursor."""
         try:
-            value_type, samples = self._nvml.nvmlDeviceGetSamples(
-                self._handle, self._util_samples, self._last_seen_us
-            )
+            out = read_utilization_samples(self._nvml, self._handle, self._util_samples, self._cursor_us)
         except Exception as err:
-            if _code(err) == _code_of(self._nvml, "NVML_ERROR_NOT_FOUND", _NOT_FOUND):
-                return []  # no sample newer than the cursor
-            self._disable(f"NVML error while reading samples: {_describe(err)}")
+            self._failed("reading samples", err)
             return []
-        field = _VALUE_FIELDS.get(int(value_type) if value_type is not None else 1, "uiVal")
-        out = []
-        for s in samples:
-            ts = int(s.timeStamp)
-            if ts <= self._last_seen_us:
-                continue
-            out.append((ts, float(getattr(s.sampleValue, field))))
-        if out:
-            newest = max(ts for ts, _ in out)
-            self._last_seen_us = newest
-            if abs(newest - _now_us()) > _CLOCK_SKEW_LIMIT_US:
-                self._clock_ok = False
+        self._failures = 0
+        if not out:
+            self._note_empty_read()
+            return out
+        if self._mode == _MODE_PROBING:
+            self._mode, self._mode_note = MODE_SAMPLES, None
+        self._cursor_us = out[-1][0]
+        self._window.check_clock(out[-1][0], _now_us())
         return out
 
-    def _add_samples(self, samples: list) -> None:
-        if not samples:
+    def _note_empty_read(self) -> None:
+        if self._mode != _MODE_PROBING:
             return
-        if not self._clock_ok:
-            # clocks not comparable: samples read while training count, samples read while paused do not
-            if not self._paused:
-                for _, value in samples:
-                    self._sum += value / 100.0
-                    self._count += 1
-            return
-        start = self._window_start_us
-        pauses = self._pauses
-        for ts, value in samples:
-            if ts <= start:
-                continue
-            if any(p < ts <= r for p, r in pauses):
-                continue
-            self._sum += value / 100.0
-            self._count += 1
+        self._empty_reads += 1
+        waited_us = _now_us() - self._probe_started_us
+        if self._empty_reads >= _CONFIRM_READS and waited_us >= _CONFIRM_US:
+            self._mode = MODE_RATES
+            self._mode_note = (
+                f"nvmlDeviceGetSamples returned no sample in {self._empty_reads} reads over"
+                f" {waited_us / 1e6:.1f} s; polling nvmlDeviceGetUtilizationRates"
+            )
 
-    def _read_rate(self) -> None:
+    def _read_rate(self, whole_window: bool = False) -> None:
         try:
-            rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            value = float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu) / 100.0
         except Exception as err:
-            self._disable(f"NVML error while reading utilization: {_describe(err)}")
+            self._failed("reading utilization rates", err)
             return
-        self._sum += float(rates.gpu) / 100.0
-        self._count += 1
+        self._failures = 0
+        self._window.add_rate(value, _now_us(), whole_window)
+
+    def _failed(self, what: str, err: BaseException) -> None:
+        """One failed read: :meth:`maybe_poll` retries later; NVML is given up after repeated failures."""
+        self._failures += 1
+        self._window.previous_us = None  # the driver's buffer may have moved on: the gap is unknown, not idle
+        if nvml_error_code(err) == nvml_code(self._nvml, "NVML_ERROR_GPU_IS_LOST", GPU_IS_LOST):
+            self._disable(f"NVML error while {what}: {describe_nvml_error(err)}")
+        elif self._failures >= _MAX_FAILURES:
+            self._disable(f"NVML failed {self._failures} times in a row while {what}; last: {describe_nvml_error(err)}")
 
     def _disable(self, reason: str) -> None:
         self._available = False
@@ -480,23 +457,3 @@ class UtilizationSampler:
         return f"{type(self).__name__}(source={self.source!r}, {state})"
 
 
-def _code(err: BaseException) -> Optional[int]:
-    value = getattr(err, "value", None)
-    return value if isinstance(value, int) else None
-
-
-def _code_of(nvml: Any, name: str, default: int) -> int:
-    value = getattr(nvml, name, default)
-    return value if isinstance(value, int) else default
-
-
-def _describe(err: BaseException) -> str:
-    """An NVML error as ``"Not Supported (NVML error 3)"``; other errors as ``"Type: message"``."""
-    code = _code(err)
-    try:
-        text = str(err)
-    except Exception:
-        text = ""
-    if code is not None:
-        return f"{text or type(err).__name__} (NVML error {code})"
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
