@@ -116,8 +116,11 @@ class DataLoaderTuner(Callback):
         recommendation_file: write ``dltune_recommendation.yaml`` in the log dir at the end of fit.
 
     Raises:
-        ValueError: for a band not inside ``(0, 1]`` with ``low < high``, an unknown ``util_source``,
-            a negative threshold, interval or count, or fractions outside ``(0, 1]``.
+        ValueError: for a band other than two numbers with ``0 < low < high <= 1``, an unknown
+            ``util_source``, a negative threshold, interval or count, fractions outside ``(0, 1]``,
+            ``min_gain`` outside ``[0, 1)``. A wrong type (a string for a bool, a float for a count)
+            raises :class:`~lightning_dltune.validation.ArgumentTypeError`, a ``TypeError`` that is
+            also a ``ValueError``. Every message names the argument, the value and what is allowed.
 
     Example::
 
@@ -217,9 +220,9 @@ class DataLoaderTuner(Callback):
             )
         device = trainer.strategy.root_device
         self._sampler = UtilizationSampler(
-            None if self.util_source == "estimate" else device, poll_interval_s=self.nvml_poll_interval_s
+            None if self.util_source == UtilSource.ESTIMATE else device, poll_interval_s=self.nvml_poll_interval_s
         )
-        if self.util_source == "nvml" and not self._sampler.available:
+        if self.util_source == UtilSource.NVML and not self._sampler.available:
             rank_zero_warn(
                 f"DataLoaderTuner(util_source='nvml'): NVML cannot serve {device}"
                 f" ({self._sampler.unavailable_reason}); using the estimate 1 - starvation_ratio."
