@@ -559,8 +559,10 @@ def pipelines(draw, kind: Optional[str] = None, noise: float = 0.05) -> Pipeline
     main, side = cost, cost * draw(st.floats(0.0, 0.1))
     cpu_s, io_s = (side, main) if kind == "io" else (main, side)
     measured = draw(st.sampled_from([True, True, False]))  # False: a loader we did not build
+    main_measured = draw(st.booleans())  # whether the window says the training process's CPU share
     return Pipeline(
-        cpu_s=cpu_s, io_s=io_s, step_s=step, batch_bytes=draw(st.integers(1, 64)) * MB, noise=noise, measured=measured
+        cpu_s=cpu_s, io_s=io_s, step_s=step, batch_bytes=draw(st.integers(1, 64)) * MB, noise=noise, measured=measured,
+        main_measured=main_measured,
     )
 
 
