@@ -68,20 +68,12 @@ MB = 2**20
 
 def _per_epoch(history):
     """(last record, merged stats) per epoch: an early decision splits the first epoch into two windows."""
-    import dataclasses
+    from lightning_dltune.stats import pool_windows  # merged as the fields declare, as the policy pools
 
     merged = []
     for record in history:
         if merged and merged[-1][0].epoch == record.epoch:
-            first, s = merged[-1]
-            r = record.stats
-            s = dataclasses.replace(
-                r,
-                batches=s.batches + r.batches, samples=s.samples + r.samples,
-                fetch_wait_s=s.fetch_wait_s + r.fetch_wait_s, step_s=s.step_s + r.step_s,
-                stalls=s.stalls + r.stalls, fetches=s.fetches + r.fetches, startup_s=s.startup_s + r.startup_s,
-            )
-            merged[-1] = (record, s)
+            merged[-1] = (record, pool_windows([merged[-1][1], record.stats]))
         else:
             merged.append((record, record.stats))
     return merged
@@ -162,8 +154,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             "worker_cpu_fraction": s.worker_cpu_fraction,
             "batch_bytes": s.batch_bytes,
             "samples": s.samples,
-            "verdict": record.verdict,
-            "reason": record.reason,
+            "verdict": str(record.verdict),
+            "reason": str(record.reason),
             "changed": record.changed,
             "next_num_workers": record.next_config.num_workers,
             "next_prefetch_factor": record.next_config.prefetch_factor,

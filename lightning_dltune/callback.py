@@ -14,18 +14,21 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_dltune import validation
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.datamodule import TunableDataModule, _flatten
-from lightning_dltune.gpu import MODE_SAMPLES, UTIL_SOURCE_ESTIMATE, UTIL_SOURCE_NVML, UtilizationSampler
+from lightning_dltune.distributed import reduce_across_ranks
+from lightning_dltune.gpu import MODE_SAMPLES, UtilizationSampler
 from lightning_dltune.loader import TunedDataLoader, counters_of, loader_config_of
 from lightning_dltune.measurement import WindowMeter
-from lightning_dltune.policy import Budget, Decision, EpochRecord, PolicySettings, decide
+from lightning_dltune.policy import decide
+from lightning_dltune.records import Budget, PolicySettings, Reason, Verdict, WindowRecord
 from lightning_dltune.report import epoch_line, recommend, summary_table, write_recommendation
 from lightning_dltune.resources import rank_budget
-from lightning_dltune.stats import WindowStats
+from lightning_dltune.stats import UtilSource, WindowStats, from_dict, to_dict
 from lightning_dltune.tensorboard import custom_scalars_layout, tag
 
-UTIL_SOURCE_CHOICES = ("auto", UTIL_SOURCE_NVML, UTIL_SOURCE_ESTIMATE)
+UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
 
 
 class _TimedFetches(Iterator):
@@ -117,8 +120,11 @@ class DataLoaderTuner(Callback):
         recommendation_file: write ``dltune_recommendation.yaml`` in the log dir at the end of fit.
 
     Raises:
-        ValueError: for a band not inside ``(0, 1]`` with ``low < high``, an unknown ``util_source``,
-            a negative threshold, interval or count, or fractions outside ``(0, 1]``.
+        ValueError: for a band other than two numbers with ``0 < low < high <= 1``, an unknown
+            ``util_source``, a negative threshold, interval or count, fractions outside ``(0, 1]``,
+            ``min_gain`` outside ``[0, 1)``. A wrong type (a string for a bool, a float for a count)
+            raises :class:`~lightning_dltune.validation.ArgumentTypeError`, a ``TypeError`` that is
+            also a ``ValueError``. Every message names the argument, the value and what is allowed.
 
     Example::
 
@@ -150,27 +156,22 @@ class DataLoaderTuner(Callback):
         recommendation_file: bool = True,
     ) -> None:
         super().__init__()
-        band = tuple(band)
-        if len(band) != 2 or not all(isinstance(x, (int, float)) for x in band) or not 0 < band[0] < band[1] <= 1:
-            raise ValueError(f"`band` must be two numbers (low, high) with 0 < low < high <= 1, got {band!r}.")
-        if util_source not in UTIL_SOURCE_CHOICES:
-            raise ValueError(f"`util_source` must be one of {UTIL_SOURCE_CHOICES}, got {util_source!r}.")
-        _check_non_negative("stall_threshold_ms", stall_threshold_ms)
-        _check_non_negative("nvml_poll_interval_s", nvml_poll_interval_s)
-        _check_count("log_every_n_steps", log_every_n_steps, minimum=0)
-        _check_count("max_rebuilds", max_rebuilds, minimum=0)
-        _check_count("max_prefetch_factor", max_prefetch_factor, minimum=1)
-        _check_count("first_decision_after", first_decision_after, minimum=0)
-        if max_workers is not None:
-            _check_count("max_workers", max_workers, minimum=0)
-        for name, value in (("memory_fraction", memory_fraction), ("shm_fraction", shm_fraction)):
-            if not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
-        if not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
-            raise ValueError(f"`min_gain` must be in [0, 1), got {min_gain!r}.")
+        band = validation.band("band", band)
+        validation.flag("tune", tune)
+        validation.choice("util_source", util_source, UTIL_SOURCE_CHOICES)
+        validation.number("stall_threshold_ms", stall_threshold_ms, 0.0)
+        validation.number("nvml_poll_interval_s", nvml_poll_interval_s, 0.0)
+        validation.count("log_every_n_steps", log_every_n_steps, 0)
+        validation.count("first_decision_after", first_decision_after, 0)
+        validation.count("max_workers", max_workers, 0, optional=True)
+        validation.fraction("memory_fraction", memory_fraction, zero=False)
+        validation.fraction("shm_fraction", shm_fraction, zero=False)
+        validation.flag("verbose", verbose)
+        validation.flag("recommendation_file", recommendation_file)
+        # max_rebuilds, min_gain and max_prefetch_factor are checked by PolicySettings, below
 
         self.tune = tune
-        self.band = (float(band[0]), float(band[1]))
+        self.band = band
         self.util_source = util_source
         self.log_every_n_steps = log_every_n_steps
         self.max_workers = max_workers
@@ -184,8 +185,8 @@ class DataLoaderTuner(Callback):
             band=self.band, max_rebuilds=max_rebuilds, min_gain=min_gain, max_prefetch_factor=max_prefetch_factor
         )
 
-        self.history: list[EpochRecord] = []
-        """One :class:`~lightning_dltune.policy.EpochRecord` per epoch: config, stats, verdict, reason."""
+        self.history: list[WindowRecord] = []
+        """One :class:`~lightning_dltune.records.WindowRecord` per window: config, stats, verdict, reason."""
         self.rebuilds = 0
         self.recommended_config: Optional[LoaderConfig] = None
         self.recommendation_path: Optional[str] = None
@@ -224,10 +225,10 @@ class DataLoaderTuner(Callback):
             )
         device = trainer.strategy.root_device
         self._sampler = UtilizationSampler(
-            None if self.util_source == UTIL_SOURCE_ESTIMATE else device, poll_interval_s=self.nvml_poll_interval_s
+            None if self.util_source == UtilSource.ESTIMATE else device, poll_interval_s=self.nvml_poll_interval_s
         )
         self._util_paused = False
-        if self.util_source == UTIL_SOURCE_NVML and not self._sampler.available:
+        if self.util_source == UtilSource.NVML and not self._sampler.available:
             rank_zero_warn(
                 f"DataLoaderTuner(util_source='nvml'): NVML cannot serve {device}"
                 f" ({self._sampler.unavailable_reason}); using the estimate 1 - starvation_ratio."
@@ -321,7 +322,7 @@ class DataLoaderTuner(Callback):
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
             self._log_step_metrics(trainer)
         if batch_idx == self._decide_at_batch:
-            self._decide(trainer, pl_module, first_batches=batch_idx + 1)
+            self._close_window(trainer, pl_module, first_batches=batch_idx + 1)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -347,9 +348,9 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._decide(trainer, pl_module)
+        self._close_window(trainer, pl_module)
 
-    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, first_batches: Optional[int] = None) -> None:
+    def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, first_batches: Optional[int] = None) -> None:
         """Reduce the window across ranks, ask the policy, record, log and schedule the next config.
 
         At an epoch end the new config applies from the next epoch start; early in the first epoch
@@ -357,13 +358,13 @@ class DataLoaderTuner(Callback):
         """
         if self._config is None:
             return
-        stats = self._reduce(trainer, pl_module, self._local_stats())
+        stats = reduce_across_ranks(trainer.strategy, self._local_stats(), trainer.world_size, pl_module.device)
         if stats.batches == 0:
             return
         budget = self._reduce_budget(trainer, pl_module)
         decision = decide(self._config, stats, budget, self.history, self.settings)
         decision = trainer.strategy.broadcast(decision, src=0)
-        record = EpochRecord(
+        record = WindowRecord(
             epoch=trainer.current_epoch,
             config=self._config,
             stats=stats,
@@ -470,49 +471,6 @@ class DataLoaderTuner(Callback):
         )
         return dataclasses.replace(stats, main_cpu_fraction=main_cpu_fraction)
 
-    def _reduce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, s: WindowStats) -> WindowStats:
-        """The job's stats: those of the most starved rank, with every rank's samples and the lowest utilization.
-
-        A starved rank holds the others at the gradient all-reduce, where they look busy, so its
-        fetch waits and step times are the ones that explain the job's speed.
-        """
-        if trainer.world_size <= 1:
-            return s
-        nan = math.nan
-        opt = lambda v: nan if v is None else float(v)  # noqa: E731
-        row = torch.tensor(
-            [s.starvation_ratio, s.batches, s.samples, s.fetch_wait_s, s.step_s, s.fetch_wait_p50_s,
-             s.fetch_wait_p95_s, s.step_p50_s, s.step_p95_s, s.stalls, s.fetches, opt(s.queue_depth), s.startup_s,
-             opt(s.worker_batch_s), opt(s.worker_cpu_fraction), opt(s.batch_bytes), opt(s.gpu_util),
-             opt(s.main_cpu_fraction)],
-            dtype=torch.float64, device=pl_module.device,
-        )
-        rows = trainer.strategy.all_gather(row).reshape(trainer.world_size, -1).cpu().tolist()
-        worst = max(rows, key=lambda r: (r[0], -rows.index(r)))
-        back = lambda v: None if math.isnan(v) else v  # noqa: E731
-        utils = [r[16] for r in rows]
-        from_nvml = not any(math.isnan(u) for u in utils)
-        return WindowStats(
-            batches=int(worst[1]),
-            samples=int(sum(r[2] for r in rows)),
-            fetch_wait_s=worst[3],
-            step_s=worst[4],
-            fetch_wait_p50_s=worst[5],
-            fetch_wait_p95_s=worst[6],
-            step_p50_s=worst[7],
-            step_p95_s=worst[8],
-            stalls=int(worst[9]),
-            fetches=int(worst[10]),
-            queue_depth=back(worst[11]),
-            startup_s=worst[12],
-            worker_batch_s=back(worst[13]),
-            worker_cpu_fraction=back(worst[14]),
-            batch_bytes=None if math.isnan(worst[15]) else int(worst[15]),
-            gpu_util=min(utils) if from_nvml else None,
-            util_source="nvml" if from_nvml else "estimate",
-            main_cpu_fraction=back(max(r[17] for r in rows)),
-        )
-
     def _reduce_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
         local = rank_budget(
             local_ranks=max(1, trainer.num_devices),
@@ -562,12 +520,12 @@ class DataLoaderTuner(Callback):
             all_ranks=True,
         )
 
-    def _log_epoch(self, trainer: pl.Trainer, record: EpochRecord) -> None:
+    def _log_epoch(self, trainer: pl.Trainer, record: WindowRecord) -> None:
         s = record.stats
         metrics = {
             "starvation_ratio": s.starvation_ratio,
             "gpu_util": s.utilization,
-            "util_from_nvml": 1.0 if s.util_source == UTIL_SOURCE_NVML else 0.0,
+            "util_from_nvml": 1.0 if s.util_source == UtilSource.NVML else 0.0,
             "band_low": self.band[0],
             "band_high": self.band[1],
             "fetch_wait_ms": 1e3 * s.fetch_wait_mean_s,
@@ -585,7 +543,7 @@ class DataLoaderTuner(Callback):
             "rebuilds": float(self.rebuilds),
         }
         window_mode = self._sampler.window_mode if self._sampler is not None else None
-        if s.util_source == UTIL_SOURCE_NVML and window_mode is not None:
+        if s.util_source == UtilSource.NVML and window_mode is not None:
             metrics["util_from_samples"] = 1.0 if window_mode == MODE_SAMPLES else 0.0
         if s.queue_depth is not None:
             metrics["queue_depth"] = s.queue_depth
@@ -633,21 +591,11 @@ class DataLoaderTuner(Callback):
             rank_zero_info(message)
 
 
-def _check_non_negative(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
-        raise ValueError(f"`{name}` must be a number >= 0, got {value!r}.")
-
-
-def _check_count(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
-
-
 def _or_inf(value: Optional[float]) -> float:
     return math.inf if value is None else float(value)
 
 
-def _decision_markdown(record: EpochRecord, tuning: bool) -> str:
+def _decision_markdown(record: WindowRecord, tuning: bool) -> str:
     action = "keep" if not record.changed else ("rebuild with" if tuning else "would try") + f" {record.next_config.short()}"
     window = f"epoch {record.epoch}" + (f", first {record.first_batches} batches" if record.first_batches else "")
     return (
@@ -656,26 +604,27 @@ def _decision_markdown(record: EpochRecord, tuning: bool) -> str:
     )
 
 
-def _record_to_dict(record: EpochRecord) -> dict[str, Any]:
+def _record_to_dict(record: WindowRecord) -> dict[str, Any]:
+    reason = record.reason if isinstance(record.reason, Reason) else Reason.from_saved(record.reason)
     return {
         "epoch": record.epoch,
         "config": record.config.as_dict(),
-        "stats": dict(vars(record.stats)),
-        "verdict": record.verdict,
-        "reason": record.reason,
+        "stats": to_dict(record.stats),
+        "verdict": str(record.verdict),
+        "reason": reason.to_dict(),
         "next_config": record.next_config.as_dict(),
         "first_batches": record.first_batches,
     }
 
 
-def _record_from_dict(d: dict[str, Any]) -> EpochRecord:
-    known = set(WindowStats.__dataclass_fields__)
-    return EpochRecord(
+def _record_from_dict(d: dict[str, Any]) -> WindowRecord:
+    verdict = d.get("verdict", "")
+    return WindowRecord(
         epoch=d.get("epoch", 0),
         config=LoaderConfig(**d["config"]),
-        stats=WindowStats(**{k: v for k, v in d.get("stats", {}).items() if k in known}),
-        verdict=d.get("verdict", ""),
-        reason=d.get("reason", ""),
+        stats=from_dict(WindowStats, d.get("stats", {})),
+        verdict=Verdict(verdict) if verdict in {v.value for v in Verdict} else verdict,
+        reason=Reason.from_saved(d.get("reason")),
         next_config=LoaderConfig(**d.get("next_config", d["config"])),
         first_batches=d.get("first_batches"),
     )

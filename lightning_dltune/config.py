@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from lightning_dltune import validation
+
 
 @dataclass(frozen=True)
 class LoaderConfig:
@@ -23,6 +25,8 @@ class LoaderConfig:
 
     Raises:
         ValueError: if ``num_workers < 0`` or ``prefetch_factor < 1``.
+        TypeError: for a count that is not an integer or a switch that is not a ``bool`` (also a
+            ``ValueError``, see :class:`~lightning_dltune.validation.ArgumentTypeError`).
 
     Example::
 
@@ -36,10 +40,10 @@ class LoaderConfig:
     persistent_workers: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
-            raise ValueError(f"`num_workers` must be an integer >= 0, got {self.num_workers!r}.")
-        if isinstance(self.prefetch_factor, bool) or not isinstance(self.prefetch_factor, int) or self.prefetch_factor < 1:
-            raise ValueError(f"`prefetch_factor` must be an integer >= 1, got {self.prefetch_factor!r}.")
+        validation.count("num_workers", self.num_workers, 0)
+        validation.count("prefetch_factor", self.prefetch_factor, 1)
+        validation.flag("pin_memory", self.pin_memory)
+        validation.flag("persistent_workers", self.persistent_workers)
 
     def replace(self, **changes: Any) -> LoaderConfig:
         """A copy with ``changes`` applied."""

@@ -8,11 +8,13 @@ import torch
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_dltune import validation
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.loader import TunedDataLoader, build_loader, loader_config_of, reconfigure, shutdown_workers
 
-_PASSTHROUGH = ("collate_fn", "sampler", "worker_init_fn", "generator", "multiprocessing_context", "timeout",
-                "pin_memory_device", "in_order", "batch_sampler")
+# set by the mixin's own arguments, never through `loader_kwargs`
+_OWNED = ("batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "drop_last",
+          "shuffle", "dataset")
 
 
 def _flatten(loaders: Any) -> list:
@@ -56,8 +58,11 @@ class TunableDataModule:
             per-stage values.
 
     Raises:
-        ValueError: for a negative ``num_workers``, ``batch_size < 1``, ``prefetch_factor < 1``, or
-            ``loader_kwargs`` naming an argument the mixin owns (``batch_size``, ``num_workers``, ...).
+        ValueError: for a negative ``num_workers``, ``batch_size < 1``, ``prefetch_factor < 1``, a
+            negative ``timeout`` in ``loader_kwargs``, or ``loader_kwargs`` naming an argument the mixin
+            owns (``batch_size``, ``num_workers``, ...) or one DataLoader does not accept.
+        TypeError: for a count that is not an integer, a switch that is not a ``bool``, or
+            ``loader_kwargs`` that is not a mapping (also a ``ValueError``).
 
     Example::
 
@@ -86,18 +91,14 @@ class TunableDataModule:
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
-        owned = {"batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "drop_last",
-                 "shuffle", "dataset"}
-        clash = owned.intersection(loader_kwargs or {})
-        if clash:
-            raise ValueError(
-                f"`loader_kwargs` must not set {sorted(clash)}: pass them as TunableDataModule arguments instead."
-            )
+        validation.count("batch_size", batch_size, 1)
+        validation.flag("pin_memory", pin_memory, optional=True)
+        validation.flag("persistent_workers", persistent_workers, optional=True)
+        validation.flag("shuffle", shuffle)
+        loader_kwargs = validation.dataloader_kwargs("loader_kwargs", loader_kwargs, owned=_OWNED)
         self.batch_size = batch_size
         self.shuffle = shuffle
-        self.loader_kwargs = dict(loader_kwargs or {})
+        self.loader_kwargs = loader_kwargs
         self._pin_memory_arg = pin_memory
         # validated here so a bad value fails at construction, not at the first epoch
         self._loader_config = LoaderConfig(
@@ -118,7 +119,12 @@ class TunableDataModule:
         return self._loader_config
 
     def set_loader_config(self, config: LoaderConfig) -> None:
-        """Use ``config`` from now on; live loaders follow at :meth:`rebuild_loaders`."""
+        """Use ``config`` from now on; live loaders follow at :meth:`rebuild_loaders`.
+
+        Raises:
+            TypeError: if ``config`` is not a :class:`~lightning_dltune.LoaderConfig`.
+        """
+        validation.instance("config", config, LoaderConfig, "a LoaderConfig, e.g. LoaderConfig(num_workers=4)")
         self._resolve_pin_memory()
         self._loader_config = config
 

@@ -28,6 +28,7 @@ from lightning_dltune.nvml_device import (
     nvml_code,
     nvml_error_code,
 )
+from lightning_dltune.stats import UtilSource
 from lightning_dltune.utilization import UtilizationWindow
 
 if TYPE_CHECKING:
@@ -36,16 +37,9 @@ if TYPE_CHECKING:
 __all__ = [
     "MODE_RATES",
     "MODE_SAMPLES",
-    "UTIL_SOURCE_ESTIMATE",
-    "UTIL_SOURCE_NVML",
     "UtilizationSampler",
     "cuda_device_identity",
 ]
-
-UTIL_SOURCE_NVML = "nvml"
-"""``util_source`` of a utilization measured by NVML."""
-UTIL_SOURCE_ESTIMATE = "estimate"
-"""``util_source`` of a utilization estimated as ``1 - starvation ratio``."""
 
 MODE_SAMPLES = "samples"
 """Read from the driver's sample buffer (``nvmlDeviceGetSamples``), in batches, each sample weighted by its time."""
@@ -172,7 +166,7 @@ class UtilizationSampler:
     @property
     def source(self) -> str:
         """``"nvml"`` when measured, ``"estimate"`` when the tuner must estimate utilization."""
-        return UTIL_SOURCE_NVML if self._available else UTIL_SOURCE_ESTIMATE
+        return UtilSource.NVML if self._available else UtilSource.ESTIMATE
 
     @property
     def unavailable_reason(self) -> Optional[str]:

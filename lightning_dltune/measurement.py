@@ -9,7 +9,7 @@ from __future__ import annotations
 from array import array
 from typing import Optional
 
-from lightning_dltune.stats import WindowStats
+from lightning_dltune.stats import UtilSource, WindowStats
 
 UNKNOWN_READY = -1
 
@@ -41,12 +41,12 @@ class WindowMeter:
     def reset(self) -> None:
         """Start a new window."""
         self.fetches = 0
-        self.fetch_wait_s = 0.0
+        self.fetch_wait_total_s = 0.0
         self.stalls = 0
         self.depth_sum = 0
         self.depth_known = 0
         self.steps = 0
-        self.step_s = 0.0
+        self.step_total_s = 0.0
         self.startup_s = 0.0
         # a second, shorter window for step-granularity logging
         self.interval_fetch_wait_s = 0.0
@@ -59,7 +59,7 @@ class WindowMeter:
         """One fetch that waited ``wait_s``; ``ready`` batches were waiting when it was asked (-1: unknown)."""
         self._fetch_buf[self.fetches % self._capacity] = wait_s
         self.fetches += 1
-        self.fetch_wait_s += wait_s
+        self.fetch_wait_total_s += wait_s
         self.interval_fetch_wait_s += wait_s
         if ready >= 0:
             self.depth_sum += ready
@@ -78,7 +78,7 @@ class WindowMeter:
     def record_step(self, step_s: float) -> None:
         self._step_buf[self.steps % self._capacity] = step_s
         self.steps += 1
-        self.step_s += step_s
+        self.step_total_s += step_s
         self.interval_step_s += step_s
         self.interval_batches += 1
 
@@ -109,14 +109,14 @@ class WindowMeter:
         batches = self.steps
         # Without a prefetching fetcher every step has exactly one fetch; if fetches outnumber steps
         # the extra ones were for batches not stepped yet, so sums are scaled to the stepped batches.
-        fetch_wait_s = self.fetch_wait_s
+        fetch_wait_total_s = self.fetch_wait_total_s
         if self.fetches > batches > 0:
-            fetch_wait_s *= batches / self.fetches
+            fetch_wait_total_s *= batches / self.fetches
         return WindowStats(
             batches=batches,
             samples=batches * batch_size,
-            fetch_wait_s=fetch_wait_s,
-            step_s=self.step_s,
+            fetch_wait_total_s=fetch_wait_total_s,
+            step_total_s=self.step_total_s,
             fetch_wait_p50_s=_percentile(fetch_sorted, 0.50),
             fetch_wait_p95_s=_percentile(fetch_sorted, 0.95),
             step_p50_s=_percentile(step_sorted, 0.50),
@@ -129,5 +129,5 @@ class WindowMeter:
             worker_cpu_fraction=worker_cpu_fraction,
             batch_bytes=batch_bytes,
             gpu_util=gpu_util,
-            util_source="nvml" if gpu_util is not None else "estimate",
+            util_source=UtilSource.NVML if gpu_util is not None else UtilSource.ESTIMATE,
         )

@@ -16,7 +16,8 @@ import os
 import shutil
 from typing import Dict, Iterator, List, Optional
 
-from lightning_dltune.policy import Budget
+from lightning_dltune import validation
+from lightning_dltune.records import Budget
 
 __all__ = ["usable_cpus", "memory_budget_bytes", "shm_free_bytes", "local_world_size", "rank_budget"]
 
@@ -273,10 +274,6 @@ def _workers_for(cpus_per_rank: float) -> int:
     return min(MAX_WORKERS_PER_RANK, max(0, int(math.floor(IO_OVERSUBSCRIPTION * cpus_per_rank)) - 1))
 
 
-def _is_int_at_least(value: object, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def rank_budget(
     local_ranks: Optional[int] = None,
     max_workers: Optional[int] = None,
@@ -285,7 +282,7 @@ def rank_budget(
     cgroup_root: str = CGROUP_ROOT,
     shm_path: str = SHM_PATH,
 ) -> Budget:
-    """The :class:`~lightning_dltune.policy.Budget` of one rank: this node's resources shared by its ranks.
+    """The :class:`~lightning_dltune.records.Budget` of one rank: this node's resources shared by its ranks.
 
     * ``cpus``: :func:`usable_cpus` / ``local_ranks``.
     * ``max_workers``: worker processes at most, ``floor(4 x cpus) - 1`` (at most 64): room for
@@ -305,13 +302,10 @@ def rank_budget(
     Raises:
         ValueError: if ``local_ranks < 1``, ``max_workers < 0``, or a fraction is outside ``(0, 1]``.
     """
-    if local_ranks is not None and not _is_int_at_least(local_ranks, 1):
-        raise ValueError(f"`local_ranks` must be an integer >= 1 or None, got {local_ranks!r}.")
-    if max_workers is not None and not _is_int_at_least(max_workers, 0):
-        raise ValueError(f"`max_workers` must be an integer >= 0 or None, got {max_workers!r}.")
-    for name, value in (("memory_fraction", memory_fraction), ("shm_fraction", shm_fraction)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value <= 1):
-            raise ValueError(f"`{name}` must be a number in (0, 1], got {value!r}.")
+    validation.count("local_ranks", local_ranks, 1, optional=True)
+    validation.count("max_workers", max_workers, 0, optional=True)
+    validation.fraction("memory_fraction", memory_fraction, zero=False)
+    validation.fraction("shm_fraction", shm_fraction, zero=False)
     ranks = local_ranks if local_ranks is not None else local_world_size()
     cpus = usable_cpus(cgroup_root) / ranks
     memory = memory_budget_bytes(cgroup_root)

@@ -1,25 +1,73 @@
-"""What one measurement window (an epoch of training batches) looked like: plain numbers, no torch."""
+"""What one measurement window looked like: plain numbers, no torch, each declaring how it combines.
+
+Every field of :class:`WindowStats` declares once (in its ``dataclasses.field`` metadata) how it
+**pools** over consecutive windows of one config and how it **reduces** across DDP ranks, the way
+torchmetrics declares ``dist_reduce_fx`` with each state. Pooling (:func:`pool_windows`), the
+cross-rank rows (:func:`to_row`, :func:`from_row`, :func:`reduce_ranks`) and the checkpoint dicts
+(:func:`to_dict`, :func:`from_dict`) are derived from those declarations, never written field by field:
+a field added to :class:`WindowStats` (or to a subclass) is pooled, reduced and saved with no other change.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Optional
+import dataclasses
+import math
+import typing
+from enum import Enum
+from typing import Any, Optional, Sequence, TypeVar
 
-UTIL_SOURCES = ("nvml", "estimate")
+
+class _StrEnum(str, Enum):
+    """A ``str`` enum that prints, formats and logs as its value on every Python version."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
 
-@dataclass(frozen=True)
+class UtilSource(_StrEnum):
+    """Where a window's utilization comes from. Ordered: a rank without NVML makes the job's an estimate."""
+
+    ESTIMATE = "estimate"  # 1 - starvation_ratio
+    NVML = "nvml"  # NVML utilization.gpu of the rank's device
+
+
+class Pool(_StrEnum):
+    """How a field pools over consecutive windows of one config."""
+
+    SUM = "sum"  # totals and counts add up
+    MEAN = "batch-weighted mean"  # per-batch means, weighted by each window's batches; unknown if the latest is
+    LATEST = "latest"  # the newest window's value (percentiles, sizes, states)
+
+
+class Reduce(_StrEnum):
+    """How a field reduces across DDP ranks into the job's window."""
+
+    WORST = "most starved rank"  # that rank's value: it holds the others at the gradient all-reduce
+    SUM = "sum"
+    MIN = "min"  # unknown if any rank does not know it
+    MAX = "max"  # unknown if any rank does not know it
+
+
+def stat(default: Any, pool: Pool, reduce: Reduce, renamed_from: tuple[str, ...] = ()) -> Any:
+    """A :class:`WindowStats` field with its pooling and reduction (``renamed_from``: older checkpoint keys)."""
+    return dataclasses.field(default=default, metadata={"pool": pool, "reduce": reduce, "renamed_from": renamed_from})
+
+
+@dataclasses.dataclass(frozen=True)
 class WindowStats:
     """Training-batch measurements of one window, already reduced across DDP ranks.
 
-    Sums are over the window's training batches. The first fetch of a window (pipeline fill after
-    the loader's iterator starts) is in ``startup_s``, not in ``fetch_wait_s``.
+    Totals are over the window's training batches. The first fetch of a window (pipeline fill after
+    the loader's iterator starts) is in ``startup_s``, not in ``fetch_wait_total_s``.
 
     Args:
         batches: training batches measured (fetch and step both seen).
         samples: samples in those batches.
-        fetch_wait_s: Σ fetch wait (loop blocked in ``next()`` on the train loader).
-        step_s: Σ step time (``on_train_batch_start`` to ``on_train_batch_end``).
+        fetch_wait_total_s: Σ fetch wait (loop blocked in ``next()`` on the train loader).
+        step_total_s: Σ step time (``on_train_batch_start`` to ``on_train_batch_end``).
         fetch_wait_p50_s, fetch_wait_p95_s, step_p50_s, step_p95_s: per-batch percentiles.
         stalls: fetches that found no ready batch and had to block.
         fetches: fetches measured (the denominator of :attr:`stall_fraction`).
@@ -31,55 +79,68 @@ class WindowStats:
             near 0: waiting on storage); ``None`` where unknown.
         batch_bytes: bytes of one collated batch (tensors only); ``None`` where unknown.
         gpu_util: mean NVML ``utilization.gpu`` in [0, 1] over the training part; ``None`` without NVML.
-        util_source: ``"nvml"`` or ``"estimate"`` (``1 - starvation_ratio``).
+        util_source: :class:`UtilSource`: ``"nvml"`` or ``"estimate"`` (``1 - starvation_ratio``).
         main_cpu_fraction: CPU time of the training process / wall time (batches it made itself not
             counted); the CPUs it leaves are the workers'. ``None`` where unknown.
     """
 
-    batches: int = 0
-    samples: int = 0
-    fetch_wait_s: float = 0.0
-    step_s: float = 0.0
-    fetch_wait_p50_s: float = 0.0
-    fetch_wait_p95_s: float = 0.0
-    step_p50_s: float = 0.0
-    step_p95_s: float = 0.0
-    stalls: int = 0
-    fetches: int = 0
-    queue_depth: Optional[float] = None
-    startup_s: float = 0.0
-    worker_batch_s: Optional[float] = None
-    worker_cpu_fraction: Optional[float] = None
-    batch_bytes: Optional[int] = None
-    gpu_util: Optional[float] = None
-    util_source: str = "estimate"
-    main_cpu_fraction: Optional[float] = None
+    batches: int = stat(0, Pool.SUM, Reduce.WORST)
+    samples: int = stat(0, Pool.SUM, Reduce.SUM)  # every rank's samples are the job's
+    fetch_wait_total_s: float = stat(0.0, Pool.SUM, Reduce.WORST, renamed_from=("fetch_wait_s",))
+    step_total_s: float = stat(0.0, Pool.SUM, Reduce.WORST, renamed_from=("step_s",))
+    fetch_wait_p50_s: float = stat(0.0, Pool.LATEST, Reduce.WORST)
+    fetch_wait_p95_s: float = stat(0.0, Pool.LATEST, Reduce.WORST)
+    step_p50_s: float = stat(0.0, Pool.LATEST, Reduce.WORST)
+    step_p95_s: float = stat(0.0, Pool.LATEST, Reduce.WORST)
+    stalls: int = stat(0, Pool.SUM, Reduce.WORST)
+    fetches: int = stat(0, Pool.SUM, Reduce.WORST)
+    queue_depth: Optional[float] = stat(None, Pool.LATEST, Reduce.WORST)
+    startup_s: float = stat(0.0, Pool.SUM, Reduce.WORST)
+    worker_batch_s: Optional[float] = stat(None, Pool.MEAN, Reduce.WORST)
+    worker_cpu_fraction: Optional[float] = stat(None, Pool.MEAN, Reduce.WORST)
+    batch_bytes: Optional[int] = stat(None, Pool.LATEST, Reduce.WORST)
+    gpu_util: Optional[float] = stat(None, Pool.MEAN, Reduce.MIN)  # the least busy device is the job's
+    util_source: UtilSource = stat(UtilSource.ESTIMATE, Pool.LATEST, Reduce.MIN)
+    main_cpu_fraction: Optional[float] = stat(None, Pool.MEAN, Reduce.MAX)  # the busiest training process
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "util_source", UtilSource(self.util_source))
+
+    @property
+    def fetch_wait_s(self) -> float:
+        """Σ fetch wait; the same as :attr:`fetch_wait_total_s` (the name of releases up to 0.1)."""
+        return self.fetch_wait_total_s
+
+    @property
+    def step_s(self) -> float:
+        """Σ step time; the same as :attr:`step_total_s` (the name of releases up to 0.1)."""
+        return self.step_total_s
 
     @property
     def busy_s(self) -> float:
         """Σ (fetch wait + step time): the training loop's time on these batches."""
-        return self.fetch_wait_s + self.step_s
+        return self.fetch_wait_total_s + self.step_total_s
 
     @property
     def starvation_ratio(self) -> float:
         """Σ fetch wait / Σ (fetch wait + step time); 0 when nothing was measured."""
         busy = self.busy_s
-        return self.fetch_wait_s / busy if busy > 0 else 0.0
+        return self.fetch_wait_total_s / busy if busy > 0 else 0.0
 
     @property
     def utilization(self) -> float:
         """GPU utilization in [0, 1]: NVML where available, else ``1 - starvation_ratio``."""
-        if self.util_source == "nvml" and self.gpu_util is not None:
+        if self.util_source == UtilSource.NVML and self.gpu_util is not None:
             return self.gpu_util
         return 1.0 - self.starvation_ratio
 
     @property
     def fetch_wait_mean_s(self) -> float:
-        return self.fetch_wait_s / self.batches if self.batches else 0.0
+        return self.fetch_wait_total_s / self.batches if self.batches else 0.0
 
     @property
     def step_mean_s(self) -> float:
-        return self.step_s / self.batches if self.batches else 0.0
+        return self.step_total_s / self.batches if self.batches else 0.0
 
     @property
     def stall_fraction(self) -> float:
@@ -91,12 +152,108 @@ class WindowStats:
         busy = self.busy_s
         return self.samples / busy if busy > 0 else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(
-            starvation_ratio=self.starvation_ratio,
-            utilization=self.utilization,
-            stall_fraction=self.stall_fraction,
-            samples_per_s=self.samples_per_s,
-        )
-        return out
+
+S = TypeVar("S", bound=WindowStats)
+
+
+# ------------------------------------------------------------------------------------------------
+# Derived from the declarations
+
+
+def pool_windows(windows: Sequence[S]) -> S:
+    """Consecutive windows of one config as one, each field as it declares (:class:`Pool`)."""
+    latest = windows[-1]
+    if len(windows) == 1:
+        return latest
+    values = {}
+    for f in dataclasses.fields(latest):
+        pool, name = f.metadata.get("pool", Pool.LATEST), f.name
+        if pool is Pool.SUM:
+            values[name] = sum(getattr(w, name) for w in windows)
+        elif pool is Pool.MEAN:
+            values[name] = _batch_weighted(windows, name) if getattr(latest, name) is not None else None
+        else:
+            values[name] = getattr(latest, name)
+    return type(latest)(**values)
+
+
+def _batch_weighted(windows: Sequence[WindowStats], name: str) -> Optional[float]:
+    known = [(getattr(w, name), w.batches) for w in windows if getattr(w, name) is not None and w.batches > 0]
+    total = sum(n for _, n in known)
+    return sum(v * n for v, n in known) / total if total else None
+
+
+def reduce_ranks(per_rank: Sequence[S]) -> S:
+    """The job's window from every rank's, each field as it declares (:class:`Reduce`)."""
+    if len(per_rank) == 1:
+        return per_rank[0]
+    # the most starved rank; ties go to the lowest rank
+    worst = max(range(len(per_rank)), key=lambda i: (per_rank[i].starvation_ratio, -i))
+    values = {}
+    for f in dataclasses.fields(per_rank[0]):
+        reduce, name = f.metadata.get("reduce", Reduce.WORST), f.name
+        column = [getattr(s, name) for s in per_rank]
+        if reduce is Reduce.SUM:
+            values[name] = sum(column)
+        elif reduce in (Reduce.MIN, Reduce.MAX):
+            values[name] = None if any(v is None for v in column) else (min if reduce is Reduce.MIN else max)(column)
+        else:
+            values[name] = column[worst]
+    return type(per_rank[0])(**values)
+
+
+def _kind(cls: type, name: str) -> type:
+    """The base type of a field (``Optional[X]`` -> ``X``)."""
+    hint = typing.get_type_hints(cls)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def to_row(stats: WindowStats) -> list[float]:
+    """The fields as floats in declaration order (``nan`` for unknown, an enum's position for an enum)."""
+    row = []
+    for f in dataclasses.fields(stats):
+        value = getattr(stats, f.name)
+        if value is None:
+            row.append(math.nan)
+        elif isinstance(value, Enum):
+            row.append(float(list(type(value)).index(value)))
+        else:
+            row.append(float(value))
+    return row
+
+
+def from_row(cls: type[S], row: Sequence[float]) -> S:
+    """The inverse of :func:`to_row`."""
+    values = {}
+    for f, value in zip(dataclasses.fields(cls), row):
+        kind = _kind(cls, f.name)
+        if math.isnan(value):
+            values[f.name] = None
+        elif isinstance(kind, type) and issubclass(kind, Enum):
+            values[f.name] = list(kind)[int(round(value))]
+        elif kind is int:
+            values[f.name] = int(round(value))
+        else:
+            values[f.name] = float(value)
+    return cls(**values)
+
+
+def to_dict(stats: WindowStats) -> dict[str, Any]:
+    """Plain values by field name (enums as their strings): loadable without unpickling classes."""
+    return {f.name: _plain(getattr(stats, f.name)) for f in dataclasses.fields(stats)}
+
+
+def from_dict(cls: type[S], saved: dict[str, Any]) -> S:
+    """The inverse of :func:`to_dict`, tolerant of older keys (``renamed_from``) and of unknown ones."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        for key in (f.name, *f.metadata.get("renamed_from", ())):
+            if key in saved:
+                values[f.name] = saved[key]
+                break
+    return cls(**values)
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value

@@ -1,41 +1,45 @@
-"""A small input-pipeline simulator: the :class:`WindowStats` one epoch with a loader config would measure.
+"""An input-pipeline simulator, independent of the policy's model: the :class:`WindowStats` a window would measure.
 
-It is the test bench of the policy and, as importantly, the written-down model of what the policy
-assumes. Everything is plain arithmetic on per-batch times, deterministic for a given seed.
+The policy believes a closed formula (every worker contends for the CPUs all the time, CPU work runs
+``(W + main) / cpus`` slower). This simulator does not share that belief: it is a small discrete-event
+simulation of what a DataLoader does, so the property tests check the policy against something it
+does not already assume.
 
-The model:
+* Making one batch is ``io_s`` of waiting (storage: no CPU) followed by ``cpu_s`` of CPU work (decode,
+  collate). Every ``burst_every``-th batch costs ``burst_factor`` times as much (a slow shard).
+* ``W = num_workers`` worker processes; batch ``i`` goes to worker ``i mod W`` (torch's round robin),
+  each worker makes its batches one after the other.
+* At most ``W x prefetch_factor`` batches are outstanding: batch ``i + W x prefetch_factor`` is handed
+  out when the loop takes batch ``i``. The loop takes batches in order.
+* **CPU sharing**: the CPUs are processor-shared among the workers that are in their CPU phase *at that
+  moment* and the training process while it steps (``main_cpu`` of a core); with ``n`` runnable workers
+  on ``C`` cores each runs at ``min(1, C / (n + main))`` of a core. Workers waiting on storage or for
+  room in the queue take no CPU.
+* The training step takes ``step_s`` (an accelerator step: CPU contention does not slow it).
+* ``W = 0``: the training process makes each batch inside the fetch, alone on its core.
+* Noise: each window draws one drift for production and one for the step, and each batch jitters on
+  top; both uniform within ``+-noise``.
 
-* Making one batch costs ``cpu_s`` seconds of CPU work and ``io_s`` seconds of waiting (storage,
-  network). Every ``burst_every``-th batch costs ``burst_factor`` times as much (a slow shard).
-* ``W = num_workers`` workers make batches one after the other, batch ``i`` on worker ``i mod W``, and
-  the loop takes them in order, as torch's DataLoader does.
-* At most ``W x prefetch_factor`` batches are outstanding: batch ``i`` reaches its worker when the loop
-  has taken batch ``i - W x prefetch_factor``. Deeper prefetch lets workers run further ahead and so
-  absorbs bursts; it does not raise the average rate.
-* CPU contention: once the ``W`` workers plus the training process outnumber the cores, CPU work runs
-  ``(W + 1) / cores`` times slower; waiting does not.
-* ``W = 0``: the training process makes each batch inside the fetch; every fetch stalls for the whole
-  production time.
-* The loop asks for batch ``i`` when step ``i - 1`` ends; the fetch wait is how long it then blocks.
-  The first fetch (pipeline fill) is start-up time, not fetch wait, as in the real measurement.
-* In steady state the loop runs at ``min(1 / step_s, W / production)`` batches per second.
-* Noise: each window draws one drift for production and one for the step (epochs differ: page cache,
-  neighbours), and each batch jitters on top; both uniform within ``+-noise``.
+It measures the window as the callback does: per-batch fetch waits (the first fetch is start-up, not
+wait), step times, stalls (the batch was not ready when asked), queue depth (ready batches not yet
+taken), and, inside the workers, wall and CPU time per batch.
 
 Example::
 
     stats = simulate(LoaderConfig(num_workers=4), Pipeline(cpu_s=0.002, io_s=0.030, step_s=0.010), cores=8)
-    stats.utilization  # ~0.9: four workers make 4 / 32 ms = 125 batches/s, the step eats 100
+    stats.utilization  # ~0.9: four workers make ~4 / 32 ms = 125 batches/s, the step eats 100
 """
 
 from __future__ import annotations
 
+import functools
+import heapq
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from lightning_dltune.config import LoaderConfig
-from lightning_dltune.stats import WindowStats
+from lightning_dltune.stats import UtilSource, WindowStats
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class Pipeline:
         burst_factor: cost multiplier of a burst batch.
         noise: relative jitter (``0.05`` is +-5 %) of every production and step time, per window and per batch.
         measured: whether the loader reports ``worker_batch_s`` / ``worker_cpu_fraction`` (one we built).
+        main_cpu: cores the training process uses while it steps.
+        main_measured: whether the window reports the training process's CPU share.
     """
 
     cpu_s: float
@@ -63,6 +69,8 @@ class Pipeline:
     burst_factor: float = 1.0
     noise: float = 0.0
     measured: bool = True
+    main_cpu: float = 1.0
+    main_measured: bool = False
 
     @property
     def cpu_share(self) -> float:
@@ -70,25 +78,14 @@ class Pipeline:
         total = self.cpu_s + self.io_s
         return self.cpu_s / total if total > 0 else 0.0
 
-    def production_s(self, workers: int, cores: float) -> float:
-        """Mean wall time one worker needs per batch at ``workers`` workers, bursts included, no noise."""
-        burst = 1.0 + (self.burst_factor - 1.0) / self.burst_every if self.burst_every else 1.0
-        return burst * (self.cpu_s * cpu_inflation(workers, cores) + self.io_s)
-
     def steady_utilization(self, workers: int, cores: float) -> float:
-        """``1 - starvation`` in steady state without noise or bursts (the analytic answer)."""
-        if workers == 0:
-            production = self.cpu_s + self.io_s
-            return self.step_s / (production + self.step_s)
-        rate = min(1.0 / self.step_s, workers / (self.cpu_s * cpu_inflation(workers, cores) + self.io_s))
-        return rate * self.step_s
+        """``1 - starvation`` of a long noise-free window at ``workers`` workers (the simulator's own answer)."""
+        return _steady(replace(self, noise=0.0), workers, float(cores))
 
 
-def cpu_inflation(workers: int, cores: float) -> float:
-    """How much slower CPU work runs when ``workers`` plus the training process share ``cores``."""
-    if workers == 0:
-        return 1.0
-    return max(1.0, (workers + 1) / cores)
+@functools.lru_cache(maxsize=4096)
+def _steady(pipeline: Pipeline, workers: int, cores: float) -> float:
+    return simulate(LoaderConfig(num_workers=workers), pipeline, cores, batches=300).utilization
 
 
 def simulate(
@@ -110,64 +107,137 @@ def simulate(
     noise = pipeline.noise
     drift_production = 1.0 + noise * rng.uniform(-1.0, 1.0)
     drift_step = 1.0 + noise * rng.uniform(-1.0, 1.0)
-
-    def jitter() -> float:
-        return 1.0 + noise * rng.uniform(-1.0, 1.0)
-
-    def burst(i: int) -> float:
-        every = pipeline.burst_every
-        return pipeline.burst_factor if every and i % every == every - 1 else 1.0
-
-    workers = config.num_workers
-    inflation = cpu_inflation(workers, cores)
     total = batches + 1  # batch 0 is the start-up fetch
-    cpu_times, wall_times, steps = [], [], []
+    io, cpu, steps = [], [], []
     for i in range(total):
-        cpu = pipeline.cpu_s * burst(i) * drift_production * jitter()
-        io = pipeline.io_s * burst(i) * drift_production * jitter()
-        cpu_times.append(cpu)
-        wall_times.append(cpu * inflation + io)
-        steps.append(pipeline.step_s * drift_step * jitter())
-
-    waits: list[float] = []
-    if workers == 0:
-        waits = list(wall_times)  # made inside the fetch: the loop waits for all of it
+        every = pipeline.burst_every
+        burst = pipeline.burst_factor if every and i % every == every - 1 else 1.0
+        io.append(pipeline.io_s * burst * drift_production * (1.0 + noise * rng.uniform(-1.0, 1.0)))
+        cpu.append(pipeline.cpu_s * burst * drift_production * (1.0 + noise * rng.uniform(-1.0, 1.0)))
+        steps.append(pipeline.step_s * drift_step * (1.0 + noise * rng.uniform(-1.0, 1.0)))
+    if config.num_workers == 0:
+        waits = [a + b for a, b in zip(io, cpu)]  # made inside the fetch, alone on the training process's core
+        run = _Run(waits, steps, [False] * total, [0] * total, waits, cpu, sum(waits) + sum(steps))
     else:
-        depth = workers * config.prefetch_factor
-        worker_free = [0.0] * workers  # when each worker finishes its previous batch
-        taken: list[float] = []  # when the loop took batch i
-        now = 0.0  # when the loop asks for the next batch
-        for i in range(total):
-            handed_out = 0.0 if i < depth else taken[i - depth]
-            worker = i % workers
-            ready = max(handed_out, worker_free[worker]) + wall_times[i]
-            worker_free[worker] = ready
-            wait = max(0.0, ready - now)
-            waits.append(wait)
-            taken.append(now + wait)
-            now += wait + steps[i]
+        run = _run_workers(config, pipeline, float(cores), io, cpu, steps)
+    return _measure(run, pipeline, batches)
 
-    measured_waits, measured_steps = waits[1:], steps[1:]
-    stalls = sum(1 for w in measured_waits if w > 0.0)
-    production = sum(wall_times)
+
+@dataclass
+class _Run:
+    waits: list[float]
+    steps: list[float]
+    ready_when_asked: list[bool]
+    depth_when_asked: list[int]
+    worker_wall: list[float]
+    worker_cpu: list[float]
+    elapsed: float
+
+
+def _run_workers(
+    config: LoaderConfig, pipeline: Pipeline, cores: float, io: list[float], cpu: list[float], steps: list[float]
+) -> _Run:
+    """The event loop: workers (storage, then shared CPUs), the bounded queue, and the training loop."""
+    total, workers = len(io), config.num_workers
+    queues: list[list[int]] = [[] for _ in range(workers)]  # batches handed to each worker, in order
+    busy: list[Optional[int]] = [None] * workers  # the batch each worker is making
+    started = [0.0] * total
+    finished: list[Optional[float]] = [None] * total
+    io_done: list[tuple[float, int]] = []  # (time, worker) heap of storage waits ending
+    cpu_done: list[tuple[float, int]] = []  # (service level, worker) heap of CPU work ending
+    service = 0.0  # CPU seconds each runnable worker has received so far (processor sharing)
+    now = 0.0
+    taken = 0  # batches the loop has taken
+    ready = 0  # batches made and not yet taken: the queue depth
+    step_end: Optional[float] = None  # when the running step ends; None: the loop waits for a batch
+    asked_at = 0.0
+    waits, ready_when_asked, depth_when_asked = [0.0] * total, [False] * total, [0] * total
+
+    def start_next(w: int) -> None:
+        if busy[w] is None and queues[w]:
+            i = queues[w].pop(0)
+            busy[w], started[i] = i, now
+            heapq.heappush(io_done, (now + io[i], w))
+
+    def hand_out(i: int) -> None:
+        if i < total:
+            queues[i % workers].append(i)
+            start_next(i % workers)
+
+    def take() -> None:
+        nonlocal taken, step_end, ready
+        i = taken
+        ready -= 1
+        waits[i] = now - asked_at
+        taken += 1
+        hand_out(i + workers * config.prefetch_factor)
+        step_end = now + steps[i]
+
+    def ask() -> None:
+        nonlocal asked_at, step_end
+        asked_at, step_end = now, None
+        if taken < total:
+            ready_when_asked[taken] = finished[taken] is not None
+            depth_when_asked[taken] = ready
+            if ready_when_asked[taken]:
+                take()
+
+    for i in range(min(total, workers * config.prefetch_factor)):
+        hand_out(i)
+    ask()
+    while taken < total or step_end is not None:
+        runnable = len(cpu_done) + (pipeline.main_cpu if step_end is not None else 0.0)
+        rate = min(1.0, cores / runnable) if runnable > 0 else 1.0
+        candidates = [step_end if step_end is not None else float("inf")]
+        if io_done:
+            candidates.append(io_done[0][0])
+        if cpu_done:
+            candidates.append(now + (cpu_done[0][0] - service) / rate)
+        later = max(min(candidates), now)
+        if cpu_done:
+            service += (later - now) * rate
+        now = later
+        while io_done and io_done[0][0] <= now + 1e-9:  # storage done: on to the CPUs
+            _, w = heapq.heappop(io_done)
+            heapq.heappush(cpu_done, (service + cpu[busy[w]], w))
+        while cpu_done and cpu_done[0][0] <= service + 1e-9:  # batch made
+            _, w = heapq.heappop(cpu_done)
+            i, busy[w] = busy[w], None
+            finished[i] = now
+            ready += 1
+            start_next(w)
+            if step_end is None and i == taken:
+                take()
+        if step_end is not None and step_end <= now + 1e-9:
+            ask()
+    wall = [(finished[i] or now) - started[i] for i in range(total)]
+    return _Run(waits, steps, ready_when_asked, depth_when_asked, wall, cpu, now)
+
+
+def _measure(run: _Run, pipeline: Pipeline, batches: int) -> WindowStats:
+    waits, steps = run.waits[1:], run.steps[1:]
+    production = sum(run.worker_wall)
+    main_cpu = pipeline.main_cpu * sum(run.steps) / run.elapsed if run.elapsed > 0 else 0.0
     return WindowStats(
         batches=batches,
         samples=batches * pipeline.batch_size,
-        fetch_wait_s=sum(measured_waits),
-        step_s=sum(measured_steps),
-        fetch_wait_p50_s=_percentile(measured_waits, 0.50),
-        fetch_wait_p95_s=_percentile(measured_waits, 0.95),
-        step_p50_s=_percentile(measured_steps, 0.50),
-        step_p95_s=_percentile(measured_steps, 0.95),
-        stalls=stalls,
+        fetch_wait_total_s=sum(waits),
+        step_total_s=sum(steps),
+        fetch_wait_p50_s=_percentile(waits, 0.50),
+        fetch_wait_p95_s=_percentile(waits, 0.95),
+        step_p50_s=_percentile(steps, 0.50),
+        step_p95_s=_percentile(steps, 0.95),
+        stalls=sum(1 for ready in run.ready_when_asked[1:] if not ready),
         fetches=batches,
-        startup_s=waits[0],
-        worker_batch_s=production / total if pipeline.measured else None,
+        queue_depth=sum(run.depth_when_asked[1:]) / batches if batches else None,
+        startup_s=run.waits[0],
+        worker_batch_s=production / len(run.worker_wall) if pipeline.measured else None,
         # CPU time over wall time: waiting for a contended CPU is wall time, not CPU time
-        worker_cpu_fraction=sum(cpu_times) / production if pipeline.measured and production > 0 else None,
+        worker_cpu_fraction=min(1.0, sum(run.worker_cpu) / production) if pipeline.measured and production > 0 else None,
         batch_bytes=pipeline.batch_bytes,
         gpu_util=None,
-        util_source="estimate",
+        util_source=UtilSource.ESTIMATE,
+        main_cpu_fraction=main_cpu if pipeline.main_measured else None,
     )
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ("default", "rule", "oracle", "tuned_default", "tuned_bad")
 

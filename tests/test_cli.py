@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "2",
         "--data.init_args.num_images", "160", "--data.init_args.batch_size", "8",

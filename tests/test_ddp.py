@@ -9,6 +9,8 @@ import pytest
 
 from tb_events import scalars
 
+pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -189,6 +189,7 @@ def test_datamodule_splits_train_and_val_without_overlap(tmp_path):
 
 
 # ------------------------------------------------------------------------------ a real fit
+@pytest.mark.slow
 def test_fit_with_tuner_records_one_epoch_each_and_emulates_the_step(tmp_path):
     L.seed_everything(0)
     dm = JpegDataModule(data_dir=str(tmp_path / "data"), num_images=120, image_size=48, crop_size=32,
@@ -218,6 +219,7 @@ def test_fit_with_tuner_records_one_epoch_each_and_emulates_the_step(tmp_path):
 
 
 # ------------------------------------------------------------------------------ the script
+@pytest.mark.slow
 def test_plain_example_runs_as_a_script(tmp_path):
     env = {**os.environ, "DLTUNE_CACHE": str(tmp_path / "cache")}
     help_run = subprocess.run([sys.executable, "examples/train_plain.py", "--help"], cwd=REPO_ROOT, env=env,
@@ -236,6 +238,7 @@ def test_plain_example_runs_as_a_script(tmp_path):
     assert list((tmp_path / "cache").iterdir())  # the images went to $DLTUNE_CACHE
 
 
+@pytest.mark.slow
 def test_datamodule_arguments_reach_lightning_cli(tmp_path, monkeypatch):
     from lightning.pytorch.cli import LightningCLI
 

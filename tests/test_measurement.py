@@ -60,14 +60,18 @@ def _fit(trainer_kwargs, workers, validation, plain=False, batches=BATCHES):
         # queued. That time really was not spent waiting, so it is part of the truth.
         period = wait + step
         wait -= workers * PREFETCH * period / (batches - 1)
-    return tuner.history[0].stats, (wait, step)
+    return tuner.history[0].stats, (wait, step, workers)
 
 
 def _assert_close_to_truth(stats, truth):
-    wait, step = truth
-    assert stats.fetch_wait_mean_s == pytest.approx(wait, rel=0.10)
-    assert stats.step_mean_s == pytest.approx(step, rel=0.10)
-    assert abs(stats.starvation_ratio - wait / (wait + step)) <= 0.05
+    # A sleep never ends early but may end late on a busy machine, so the step may run up to 30 % long.
+    # With workers, the time a longer step takes is time the workers had: the wait shrinks by as much.
+    wait, step, workers = truth
+    assert 0.9 * step <= stats.step_mean_s <= 1.3 * step
+    if workers:
+        wait = max(0.0, wait - max(0.0, stats.step_mean_s - step))
+    assert 0.9 * wait - 0.002 <= stats.fetch_wait_mean_s <= 1.3 * wait + 0.002
+    assert abs(stats.starvation_ratio - wait / (wait + stats.step_mean_s)) <= 0.05
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -13,21 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_dltune.config import LoaderConfig
-from lightning_dltune.policy import (
-    COMPUTE_BOUND,
-    DATA_BOUND_CPU,
-    DATA_BOUND_IO,
-    IN_BAND,
-    MEMORY_CAPPED,
-    VERDICTS,
-    Budget,
-    EpochRecord,
-    PolicySettings,
-    best_config,
-    decide,
-)
-from lightning_dltune.stats import WindowStats
-from pipeline_sim import Pipeline, cpu_inflation, simulate
+from lightning_dltune.history import best_config
+from lightning_dltune.policy import decide
+from lightning_dltune.records import Budget, EpochRecord, PolicySettings, ReasonKind, Verdict
+from lightning_dltune.report import reason_text
+from lightning_dltune.stats import UtilSource, WindowStats
+from pipeline_sim import Pipeline, simulate
 
 MB = 1 << 20
 DEFAULTS = PolicySettings()
@@ -51,8 +42,8 @@ def window(
     return WindowStats(
         batches=batches,
         samples=batches * batch_size,
-        fetch_wait_s=fetch_ms / 1000 * batches,
-        step_s=step_ms / 1000 * batches,
+        fetch_wait_total_s=fetch_ms / 1000 * batches,
+        step_total_s=step_ms / 1000 * batches,
         fetch_wait_p50_s=fetch_ms / 1000 if stall_fraction >= 0.5 else 0.0,
         fetch_wait_p95_s=(p95_ms if p95_ms is not None else fetch_ms) / 1000,
         step_p50_s=step_ms / 1000,
@@ -109,8 +100,10 @@ def test_starved_without_workers_sizes_workers_by_littles_law():
     decision = decide(cfg(0), stats, ROOMY)
     # 41 ms per batch / 10 ms step x 1.2 headroom = 4.9: five workers in one rebuild, not a doubling ladder
     assert decision.config == cfg(5)
-    assert decision.verdict == DATA_BOUND_IO
-    assert "41 ms" in decision.reason and "10 ms" in decision.reason and "5 workers" in decision.reason
+    assert decision.verdict == Verdict.DATA_BOUND_IO
+    assert decision.reason.kind == ReasonKind.MORE_WORKERS
+    assert decision.reason["batch_s"] == pytest.approx(0.041) and decision.reason["step_s"] == pytest.approx(0.010)
+    assert decision.reason["to_workers"] == 5
 
 
 def test_worker_time_is_estimated_when_the_loader_cannot_say():
@@ -119,7 +112,7 @@ def test_worker_time_is_estimated_when_the_loader_cannot_say():
     # 2 workers, steadily starved: each delivered one batch per 2 x (fetch + step) = 2 x 25 ms
     decision = decide(cfg(2), window(15, 10), ROOMY)
     assert decision.config.num_workers == math.ceil(50 / 10 * DEFAULTS.headroom)
-    assert decision.verdict == DATA_BOUND_IO
+    assert decision.verdict == Verdict.DATA_BOUND_IO
 
 
 def test_cpu_bound_pipeline_stops_at_the_cpus():
@@ -127,14 +120,14 @@ def test_cpu_bound_pipeline_stops_at_the_cpus():
     decision = decide(cfg(0), stats, Budget(max_workers=32, cpus=4))
     # 80 ms / 10 ms wants 10 workers, but 4 CPUs carry 3 of them and the training process
     assert decision.config.num_workers == 3
-    assert decision.verdict == DATA_BOUND_CPU
+    assert decision.verdict == Verdict.DATA_BOUND_CPU
 
 
 def test_io_bound_pipeline_goes_past_the_cores():
     stats = window(70, 10, worker_ms=80, cpu_fraction=0.02)
     decision = decide(cfg(0), stats, Budget(max_workers=32, cpus=4))
     assert decision.config.num_workers > 4
-    assert decision.verdict == DATA_BOUND_IO
+    assert decision.verdict == Verdict.DATA_BOUND_IO
 
 
 def test_workers_never_pass_the_budget():
@@ -144,7 +137,7 @@ def test_workers_never_pass_the_budget():
     # and already at the limit: holds, saying why
     held = decide(cfg(6), window(30, 10, worker_ms=400, cpu_fraction=0.0), Budget(max_workers=6, cpus=64))
     assert held.config == cfg(6)
-    assert "budget" in held.reason
+    assert held.reason.kind == ReasonKind.AT_WORKER_BUDGET and held.reason["workers"] == 6
 
 
 def test_bursty_stalls_get_deeper_prefetch_not_workers():
@@ -154,7 +147,9 @@ def test_bursty_stalls_get_deeper_prefetch_not_workers():
     decision = decide(cfg(4, 2), stats, ROOMY)
     assert decision.config.num_workers == 4
     assert decision.config.prefetch_factor > 2
-    assert "bursts" in decision.reason
+    assert decision.reason.kind == ReasonKind.DEEPER_PREFETCH
+    assert decision.reason["stall_fraction"] == pytest.approx(0.1)
+    assert decision.reason["to_prefetch"] == decision.config.prefetch_factor
 
 
 def test_steady_starvation_gets_workers_not_prefetch():
@@ -162,6 +157,20 @@ def test_steady_starvation_gets_workers_not_prefetch():
     decision = decide(cfg(4, 2), stats, ROOMY)
     assert decision.config.num_workers > 4
     assert decision.config.prefetch_factor == 2
+
+
+def test_an_io_bound_pipeline_without_workers_reaches_the_band_within_two_decisions():
+    # the real-fit test's workload on 2 cores (40 ms of storage per batch, a 10 ms step), with noise: what
+    # an idle machine shows there is claimed here, where a busy machine cannot make it flaky
+    pipeline = Pipeline(cpu_s=0.001, io_s=0.040, step_s=0.010, batch_size=4, noise=0.05, main_measured=True)
+    records = tune(pipeline, cfg(0), Budget(max_workers=7, cpus=2), cores=2, epochs=6)
+    assert records[0].stats.starvation_ratio > 0.7 and records[0].verdict == Verdict.DATA_BOUND_IO
+    assert records[1].config.num_workers >= 4  # one rebuild, sized by Little's law
+    assert all(r.stats.starvation_ratio <= 0.15 for r in records[1:])
+    assert records[-1].samples_per_s >= 3.5 * records[0].samples_per_s
+    # after it, only give-backs of the modelled slack, down to the leanest config that keeps the band
+    assert all(r.next_config.num_workers <= r.config.num_workers for r in records[1:])
+    assert records[-1].next_config.num_workers >= 4 and records[-1].verdict == Verdict.IN_BAND
 
 
 def test_deeper_prefetch_absorbs_bursts_in_the_simulator():
@@ -177,11 +186,11 @@ def test_deeper_prefetch_absorbs_bursts_in_the_simulator():
 
 
 def test_below_band_without_starvation_is_compute_bound_and_holds():
-    stats = replace(window(0.1, 10, stall_fraction=0.01), gpu_util=0.6, util_source="nvml")
+    stats = replace(window(0.1, 10, stall_fraction=0.01), gpu_util=0.6, util_source=UtilSource.NVML)
     decision = decide(cfg(2), stats, ROOMY)
     assert decision.config == cfg(2)
-    assert decision.verdict == COMPUTE_BOUND
-    assert "cannot help" in decision.reason
+    assert decision.verdict == Verdict.COMPUTE_BOUND
+    assert decision.reason.kind == ReasonKind.COMPUTE_BOUND and decision.reason["util"] == 0.6
 
 
 def test_workers_that_stopped_helping_mean_cpu_bound():
@@ -190,8 +199,10 @@ def test_workers_that_stopped_helping_mean_cpu_bound():
     history = [record(0, cfg(4), before, cfg(8))]
     decision = decide(cfg(8), after, Budget(max_workers=32, cpus=64), history)
     assert decision.config == cfg(8)
-    assert decision.verdict == DATA_BOUND_CPU
-    assert "CPU-bound" in decision.reason
+    assert decision.verdict == Verdict.DATA_BOUND_CPU
+    assert decision.reason.kind == ReasonKind.STOPPED_HELPING
+    assert (decision.reason["from_workers"], decision.reason["workers"]) == (4, 8)
+    assert decision.reason["gain"] < DEFAULTS.min_gain
     # and later windows do not try again
     history.append(record(1, cfg(8), after, cfg(8)))
     assert decide(cfg(8), after, Budget(max_workers=32, cpus=64), history).config == cfg(8)
@@ -205,15 +216,15 @@ def test_a_small_expected_gain_that_does_not_show_proves_nothing():
     history = [record(0, cfg(12), before, cfg(13))]
     decision = decide(cfg(13), after, Budget(max_workers=32, cpus=64), history)
     assert decision.config.num_workers > 13
-    assert decision.verdict == DATA_BOUND_IO
+    assert decision.verdict == Verdict.DATA_BOUND_IO
 
 
 def test_saturated_cpus_hold_without_adding():
     stats = window(30, 10, worker_ms=280, cpu_fraction=1.0)  # 7 workers x 40 ms per loop turn
     decision = decide(cfg(7), stats, Budget(max_workers=32, cpus=8))
     assert decision.config == cfg(7)
-    assert decision.verdict == DATA_BOUND_CPU
-    assert "8 CPUs" in decision.reason
+    assert decision.verdict == Verdict.DATA_BOUND_CPU
+    assert decision.reason.kind == ReasonKind.CPUS_SATURATED and decision.reason["cpus"] == 8
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,8 +236,9 @@ def test_above_band_gives_back_workers_first():
     decision = decide(cfg(16, 4), stats, ROOMY)
     # at most half the workers in one notch; prefetch untouched while workers can go
     assert decision.config == cfg(8, 4)
-    assert decision.verdict == COMPUTE_BOUND
-    assert "16 -> 8" in decision.reason
+    assert decision.verdict == Verdict.COMPUTE_BOUND
+    assert decision.reason.kind == ReasonKind.GIVE_BACK_WORKERS
+    assert (decision.reason["workers"], decision.reason["to_workers"]) == (16, 8)
 
 
 def test_above_band_gives_back_prefetch_when_workers_cannot_go():
@@ -243,7 +255,7 @@ def test_slack_near_the_band_top_is_confirmed_before_giving_back():
     stats = window(0, 10, stall_fraction=0.0, worker_ms=90, cpu_fraction=0.2)
     first = decide(cfg(10, 1), stats, ROOMY)
     assert first.config == cfg(10, 1)
-    assert "another epoch" in first.reason
+    assert first.reason.kind == ReasonKind.SLACK_UNCONFIRMED
     second = decide(cfg(10, 1), stats, ROOMY, [record(0, cfg(10, 1), stats, cfg(10, 1))])
     assert second.config == cfg(9, 1)
 
@@ -262,11 +274,11 @@ def test_give_back_that_lost_the_band_is_undone_and_not_retried():
     history = [record(0, cfg(4, 1), slack, cfg(3, 1))]
     undo = decide(cfg(3, 1), lost, ROOMY, history)
     assert undo.config == cfg(4, 1)
-    assert "back to 4 workers" in undo.reason
+    assert undo.reason.kind == ReasonKind.UNDO_GIVE_BACK and undo.reason["to"] == (4, 1)
     history.append(record(1, cfg(3, 1), lost, cfg(4, 1)))
     again = decide(cfg(4, 1), slack, ROOMY, history)
     assert again.config == cfg(4, 1)
-    assert again.verdict == COMPUTE_BOUND
+    assert again.verdict == Verdict.COMPUTE_BOUND
 
 
 def test_fast_pipeline_started_wide_is_brought_down():
@@ -282,7 +294,7 @@ def test_step_bound_pipeline_gets_no_workers():
     pipeline = Pipeline(cpu_s=0.0002, io_s=0.0001, step_s=0.020, noise=0.05)
     records = tune(pipeline, cfg(0), Budget(max_workers=32, cpus=32), cores=32, epochs=10)
     assert all(r.next_config == cfg(0) for r in records)
-    assert records[0].verdict == COMPUTE_BOUND
+    assert records[0].verdict == Verdict.COMPUTE_BOUND
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,7 +304,7 @@ def test_step_bound_pipeline_gets_no_workers():
 def test_in_band_holds():
     decision = decide(cfg(4), window(1.1, 10, stall_fraction=0.5, worker_ms=38), ROOMY)
     assert decision.config == cfg(4)
-    assert decision.verdict == IN_BAND
+    assert decision.verdict == Verdict.IN_BAND
 
 
 def test_small_excursions_outside_the_band_do_not_react():
@@ -310,14 +322,15 @@ def test_noisy_epochs_at_a_band_edge_do_not_flip():
     decision = decide(cfg(4), low, ROOMY, history)
     assert low.utilization < DEFAULTS.band[0] - DEFAULTS.hysteresis  # alone, this epoch would react
     assert decision.config == cfg(4)
-    assert decision.verdict == IN_BAND
-    assert "over 6 epochs" in decision.reason
+    assert decision.verdict == Verdict.IN_BAND
+    assert decision.reason.kind == ReasonKind.IN_BAND
+    assert decision.reason["windows"] == 6 and not decision.reason["inside"]
 
 
 def test_nvml_utilization_drives_the_band():
-    starved = replace(window(5, 10, worker_ms=60, cpu_fraction=0.2), gpu_util=0.55, util_source="nvml")
+    starved = replace(window(5, 10, worker_ms=60, cpu_fraction=0.2), gpu_util=0.55, util_source=UtilSource.NVML)
     assert decide(cfg(4), starved, ROOMY).config.num_workers > 4
-    busy = replace(window(0.1, 10, stall_fraction=0.01, worker_ms=20), gpu_util=0.9, util_source="nvml")
+    busy = replace(window(0.1, 10, stall_fraction=0.01, worker_ms=20), gpu_util=0.9, util_source=UtilSource.NVML)
     assert decide(cfg(8), busy, ROOMY).config == cfg(8)  # 90 % is in band, whatever 1 - starvation says
 
 
@@ -331,7 +344,7 @@ def test_rebuild_cap_stops_changes():
     ]
     decision = decide(cfg(0), starved, ROOMY, history, policy)
     assert decision.config == cfg(0)
-    assert "cap" in decision.reason
+    assert decision.reason.kind == ReasonKind.REBUILD_CAP and decision.reason["rebuilds"] == 2
 
 
 # ------------------------------------------------------------------------------------------------
@@ -344,7 +357,9 @@ def test_change_that_lowered_throughput_is_undone():
     history = [record(0, cfg(4), before, cfg(8))]
     decision = decide(cfg(8), after, ROOMY, history)
     assert decision.config == cfg(4)
-    assert "fell" in decision.reason and "going back" in decision.reason
+    assert decision.reason.kind == ReasonKind.UNDO_SLOWER
+    assert decision.reason["gain"] < -DEFAULTS.min_gain
+    assert (decision.reason["from"], decision.reason["to"]) == ((4, 2), (8, 2))
     assert decision.best == cfg(4)
 
 
@@ -375,15 +390,16 @@ def test_memory_budget_caps_workers_and_says_so():
     stats = window(41, 10, worker_ms=41, cpu_fraction=0.1, batch_bytes=100 * MB)
     decision = decide(cfg(0), stats, Budget(max_workers=32, cpus=64, memory_bytes=300 * MB))
     assert decision.config == cfg(3, 1)
-    assert decision.verdict == MEMORY_CAPPED
-    assert "memory budget" in decision.reason
+    assert decision.verdict == Verdict.MEMORY_CAPPED
+    assert decision.reason.kind == ReasonKind.MEMORY_CAPPED_WORKERS
+    assert decision.reason["budget"] == "memory" and decision.reason["budget_bytes"] == 300 * MB
 
 
 def test_memory_budget_prefers_workers_over_prefetch():
     stats = window(41, 10, worker_ms=41, cpu_fraction=0.1, batch_bytes=100 * MB)
     decision = decide(cfg(0, 4), stats, Budget(max_workers=32, cpus=64, memory_bytes=500 * MB))
     assert decision.config == cfg(5, 1)
-    assert decision.verdict == DATA_BOUND_IO
+    assert decision.verdict == Verdict.DATA_BOUND_IO
 
 
 def test_pinned_copies_count_twice():
@@ -396,8 +412,9 @@ def test_shm_budget_caps_workers():
     stats = window(41, 10, worker_ms=41, cpu_fraction=0.1, batch_bytes=100 * MB)
     decision = decide(cfg(0), stats, Budget(max_workers=32, cpus=64, shm_bytes=250 * MB))
     assert decision.config == cfg(2, 1)
-    assert decision.verdict == MEMORY_CAPPED
-    assert "/dev/shm" in decision.reason
+    assert decision.verdict == Verdict.MEMORY_CAPPED
+    assert decision.reason.kind == ReasonKind.MEMORY_CAPPED_WORKERS
+    assert decision.reason["budget"] == "/dev/shm" and decision.reason["budget_bytes"] == 250 * MB
 
 
 def test_zero_workers_count_one_batch():
@@ -410,7 +427,7 @@ def test_config_over_memory_budget_is_brought_within_it():
     stats = window(0, 10, stall_fraction=0.0, worker_ms=20, batch_bytes=10 * MB)
     decision = decide(cfg(16, 8), stats, Budget(max_workers=32, cpus=64, memory_bytes=400 * MB))
     assert decision.config == cfg(16, 2)  # prefetch gives way first
-    assert decision.verdict == MEMORY_CAPPED
+    assert decision.verdict == Verdict.MEMORY_CAPPED
 
 
 def test_unknown_budgets_are_not_enforced():
@@ -442,7 +459,8 @@ def test_prefetch_stays_within_limits():
 def test_nothing_measured_holds():
     decision = decide(cfg(2), WindowStats(), ROOMY)
     assert decision.config == cfg(2)
-    assert decision.verdict in VERDICTS
+    assert decision.verdict in set(Verdict)
+    assert decision.reason.kind == ReasonKind.NOTHING_MEASURED
 
 
 def test_decide_is_deterministic():
@@ -461,18 +479,16 @@ def test_settings_reject_bad_values():
         PolicySettings(max_prefetch_factor=0)
 
 
-def test_policy_is_pure_standard_library():
-    import lightning_dltune.policy as policy
+@pytest.mark.parametrize("module", ["policy", "model", "history", "records", "stats"])
+def test_the_policy_and_its_parts_are_pure_standard_library(module):
+    import importlib
 
-    tree = ast.parse(pathlib.Path(policy.__file__).read_text())
+    path = pathlib.Path(importlib.import_module(f"lightning_dltune.{module}").__file__)
+    tree = ast.parse(path.read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     roots = {name.split(".")[0] for name in imported}
-    assert roots <= {"__future__", "math", "dataclasses", "typing", "lightning_dltune"}
-    assert {name for name in imported if name.startswith("lightning_dltune")} <= {
-        "lightning_dltune.config",
-        "lightning_dltune.stats",
-    }
+    assert roots <= {"__future__", "math", "dataclasses", "typing", "enum", "statistics", "lightning_dltune"}, roots
 
 
 # ------------------------------------------------------------------------------------------------
@@ -480,10 +496,11 @@ def test_policy_is_pure_standard_library():
 
 
 def test_simulator_steady_state_follows_littles_law():
+    # I/O-bound on 16 cores: W workers make W / 40 ms batches per second, the step eats 100
+    pipeline = Pipeline(cpu_s=0.004, io_s=0.036, step_s=0.010)
     for workers in (1, 3, 6):
-        pipeline = Pipeline(cpu_s=0.004, io_s=0.036, step_s=0.010)
         stats = simulate(cfg(workers), pipeline, cores=16)
-        assert stats.utilization == pytest.approx(pipeline.steady_utilization(workers, 16), abs=0.02)
+        assert stats.utilization == pytest.approx(min(1.0, workers * 0.010 / 0.040), abs=0.02)
 
 
 def test_simulator_zero_workers_stall_every_fetch():
@@ -493,11 +510,24 @@ def test_simulator_zero_workers_stall_every_fetch():
     assert stats.starvation_ratio == pytest.approx(5 / 15)
 
 
-def test_simulator_inflates_cpu_work_past_the_cores():
+def test_simulator_shares_the_cpus_among_busy_workers():
     pipeline = Pipeline(cpu_s=0.010, io_s=0.0, step_s=0.001)
-    assert simulate(cfg(3), pipeline, cores=4).worker_batch_s == pytest.approx(0.010)
-    assert simulate(cfg(7), pipeline, cores=4).worker_batch_s == pytest.approx(0.010 * cpu_inflation(7, 4))
-    assert simulate(cfg(7), pipeline, cores=4).worker_cpu_fraction == pytest.approx(4 / 8)
+    # fewer CPU-bound workers than cores: each runs at full speed
+    assert simulate(cfg(3), pipeline, cores=4).worker_batch_s == pytest.approx(0.010, rel=0.01)
+    # past the cores: the CPUs are shared, the workers' clocks see it, and 4 cores make at most ~400 batches/s
+    crowded = simulate(cfg(12), pipeline, cores=4, batches=1000)
+    assert crowded.worker_batch_s > 2.5 * 0.010
+    assert crowded.worker_cpu_fraction == pytest.approx(0.010 / crowded.worker_batch_s, rel=0.01)
+    assert crowded.samples_per_s / pipeline.batch_size <= 400 * 1.05
+
+
+def test_simulator_workers_waiting_on_storage_leave_the_cpus_free():
+    # half storage, half CPU, 6 workers on 4 cores: only those in their CPU phase share the cores, so the
+    # contention is milder than "all 6 + the training process on 4 cores" (1.75x)
+    pipeline = Pipeline(cpu_s=0.010, io_s=0.010, step_s=0.001)
+    stats = simulate(cfg(6), pipeline, cores=4)
+    cpu_wall = stats.worker_batch_s - 0.010
+    assert 0.010 <= cpu_wall < 1.75 * 0.010
 
 
 def test_simulator_deeper_prefetch_absorbs_bursts():
@@ -529,8 +559,10 @@ def pipelines(draw, kind: Optional[str] = None, noise: float = 0.05) -> Pipeline
     main, side = cost, cost * draw(st.floats(0.0, 0.1))
     cpu_s, io_s = (side, main) if kind == "io" else (main, side)
     measured = draw(st.sampled_from([True, True, False]))  # False: a loader we did not build
+    main_measured = draw(st.booleans())  # whether the window says the training process's CPU share
     return Pipeline(
-        cpu_s=cpu_s, io_s=io_s, step_s=step, batch_bytes=draw(st.integers(1, 64)) * MB, noise=noise, measured=measured
+        cpu_s=cpu_s, io_s=io_s, step_s=step, batch_bytes=draw(st.integers(1, 64)) * MB, noise=noise, measured=measured,
+        main_measured=main_measured,
     )
 
 
@@ -578,17 +610,17 @@ def _settled_correctly(r: EpochRecord, pipeline: Pipeline, budget: Budget, cores
     if low - slack <= util <= high + slack:
         return True
     if util > high + slack:
-        return r.verdict == COMPUTE_BOUND and r.stats.starvation_ratio < DEFAULTS.min_starvation
+        return r.verdict == Verdict.COMPUTE_BOUND and r.stats.starvation_ratio < DEFAULTS.min_starvation
     if not held:
         return False
-    if r.verdict == COMPUTE_BOUND:
+    if r.verdict == Verdict.COMPUTE_BOUND:
         return r.stats.starvation_ratio < DEFAULTS.min_starvation
-    if r.verdict == MEMORY_CAPPED:
+    if r.verdict == Verdict.MEMORY_CAPPED:
         one_more = r.config.replace(num_workers=workers + 1, prefetch_factor=1)
         return not _within_budget(one_more, budget, pipeline.batch_bytes, DEFAULTS)
     if workers >= budget.max_workers:
-        return r.verdict in (DATA_BOUND_IO, DATA_BOUND_CPU)
-    if r.verdict == DATA_BOUND_CPU:
+        return r.verdict in (Verdict.DATA_BOUND_IO, Verdict.DATA_BOUND_CPU)
+    if r.verdict == Verdict.DATA_BOUND_CPU:
         # CPUs saturated: one or two more workers' CPU work would pass the cores the training process
         # leaves (a loader that cannot say its CPU share counts as CPU-bound), or, by the simulator's own
         # numbers, one more worker would not gain min_gain
