@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import statistics
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -146,6 +147,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def _run_sweep(cli: SweepCLI) -> None:
     from lightning_dltune import sweep as lab
+    from lightning_dltune import sweep_report
     from lightning_dltune.callback import DataLoaderTuner
     from lightning_dltune.report import write_recommendation
     from lightning_dltune.resources import rank_budget
@@ -170,11 +172,12 @@ def _run_sweep(cli: SweepCLI) -> None:
                               "devices": [device.index] if device.index is not None else 1}
             _say(f"timing {options.steps} training steps of {type(cli.model).__name__} on {device}")
             with _quiet_lightning():
-                step_s, source = lab.measure_step_s(cli.model, datamodule, trainer_kwargs, options.steps), "measured"
+                samples = lab.measure_steps_s(cli.model, datamodule, trainer_kwargs, options.steps)
+            step_s, source = statistics.median(samples), "measured"
         else:
             datamodule.prepare_data()
             datamodule.setup("fit")
-            step_s, source = options.step_ms / 1e3, "--step-ms"
+            samples, step_s, source = [], options.step_ms / 1e3, "--step-ms"
         original = datamodule.loader_config
         make_loader = lab.datamodule_loaders(datamodule)
         batch_bytes = _first_batch_bytes(make_loader, original)
@@ -183,20 +186,21 @@ def _run_sweep(cli: SweepCLI) -> None:
         result = lab.SweepResult(
             step_ms=1e3 * step_s, step_source=source, batch_size=datamodule.batch_size, batch_bytes=batch_bytes,
             seconds_per_point=options.seconds_per_point, min_gain=min_gain, budget=budget, skipped=skipped,
+            step_samples_ms=[1e3 * x for x in samples],
         )
-        _say(f"step {result.step_ms:.1f} ms ({source}); {len(configs)} points x {result.seconds_per_point:g} s,"
+        _say(f"step {sweep_report.step_text(result)}; {len(configs)} points x {result.seconds_per_point:g} s,"
              f" budget: {budget.max_workers} workers")
         lab.run_grid(make_loader, result, configs, on_point=_report_point)
     finally:
         if original is not None:
             datamodule.set_loader_config(original)
     result.elapsed_s = time.perf_counter() - started
-    print(lab.sweep_table(result), flush=True)
+    print(sweep_report.sweep_table(result), flush=True)
     out = options.out
     os.makedirs(out, exist_ok=True)
-    written = [lab.write_json(result, os.path.join(out, lab.JSON_FILE))]
+    written = [sweep_report.write_json(result, os.path.join(out, sweep_report.JSON_FILE))]
     try:
-        written.append(lab.write_heatmap(result, os.path.join(out, lab.HEATMAP_FILE)))
+        written.append(sweep_report.write_heatmap(result, os.path.join(out, sweep_report.HEATMAP_FILE)))
     except ImportError:
         _say("heatmap skipped: matplotlib is not installed (pip install matplotlib)")
     if result.recommended is not None:

@@ -20,11 +20,8 @@ Pure parts (grid, budget, starvation, the choice) take plain numbers; they are t
 
 from __future__ import annotations
 
-import io
-import json
 import math
 import shutil
-import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -34,10 +31,13 @@ from lightning_dltune.config import LoaderConfig
 from lightning_dltune.policy import Budget
 
 SHM_PATH = "/dev/shm"
-JSON_FILE = "dltune_sweep.json"
-HEATMAP_FILE = "dltune_sweep.png"
 _MEMORY_EVERY_S = 0.25  # process-tree memory sampling period inside a point
 _MIN_BATCHES = 3  # timed batches a point measures even past its time bound
+
+
+def mib(n: float) -> str:
+    """Bytes as a short MiB (or KiB) string."""
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 # -- pure logic -----------------------------------------------------------------------------------
@@ -70,9 +70,9 @@ def over_budget(config: LoaderConfig, batch_bytes: float, budget: Budget) -> Opt
         return f"{config.num_workers} workers, over the budget of {budget.max_workers}"
     memory, shm = prefetch_bytes(config, batch_bytes)
     if budget.memory_bytes is not None and memory > budget.memory_bytes:
-        return f"{_mib(memory)} of batches, over the {_mib(budget.memory_bytes)} memory budget"
+        return f"{mib(memory)} of batches, over the {mib(budget.memory_bytes)} memory budget"
     if budget.shm_bytes is not None and shm > budget.shm_bytes:
-        return f"{_mib(shm)} of batches, over the {_mib(budget.shm_bytes)} /dev/shm budget"
+        return f"{mib(shm)} of batches, over the {mib(budget.shm_bytes)} /dev/shm budget"
     return None
 
 
@@ -190,12 +190,13 @@ class SweepResult:
     """The whole sweep: its inputs, every point, what the budget ruled out, and the recommendation."""
 
     step_ms: float
-    step_source: str  # "measured" (real steps of the model) or "--step-ms"
+    step_source: str  # "measured" (median of real steps of the model) or "--step-ms"
     batch_size: int
     batch_bytes: float
     seconds_per_point: float
     min_gain: float
     budget: Budget
+    step_samples_ms: list[float] = field(default_factory=list)  # every timed step, to show its spread
     points: list[SweepPoint] = field(default_factory=list)
     skipped: list[tuple[LoaderConfig, str]] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -207,7 +208,8 @@ class SweepResult:
     def as_dict(self) -> dict[str, Any]:
         rec = self.recommended
         return {
-            "step_ms": self.step_ms, "step_source": self.step_source, "batch_size": self.batch_size,
+            "step_ms": self.step_ms, "step_source": self.step_source, "step_samples_ms": self.step_samples_ms,
+            "batch_size": self.batch_size,
             "batch_bytes": self.batch_bytes, "seconds_per_point": self.seconds_per_point,
             "min_gain": self.min_gain, "budget": asdict(self.budget), "elapsed_s": self.elapsed_s,
             "points": [p.as_dict() for p in self.points],
@@ -363,9 +365,9 @@ def run_grid(
     return result
 
 
-def measure_step_s(model: Any, datamodule: Any, trainer_kwargs: dict[str, Any], steps: int = 10,
-                   warmup: int = 3) -> float:
-    """Median wall time of ``steps`` real training steps (hook to hook, as the tuner measures them).
+def measure_steps_s(model: Any, datamodule: Any, trainer_kwargs: dict[str, Any], steps: int = 10,
+                    warmup: int = 3) -> list[float]:
+    """Wall times of ``steps`` real training steps (hook to hook, as the tuner measures them).
 
     A throw-away Trainer (no logger, no checkpoints, no validation) runs ``warmup + steps`` steps on
     the device of ``trainer_kwargs``; on CUDA each step ends with a synchronize, so the time is the
@@ -394,92 +396,12 @@ def measure_step_s(model: Any, datamodule: Any, trainer_kwargs: dict[str, Any], 
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
         **trainer_kwargs,
     )
-    trainer.fit(model, datamodule=datamodule)
+    try:
+        trainer.fit(model, datamodule=datamodule)
+    except SystemExit:
+        if trainer.interrupted:  # Lightning turns Ctrl-C into exit(1) after its teardown: say it was Ctrl-C
+            raise KeyboardInterrupt from None
+        raise
     if not clock.steps:
         raise RuntimeError(f"the train loader ran out before {warmup + steps} steps: use a smaller --steps.")
-    return statistics.median(clock.steps)
-
-
-# -- rendering ------------------------------------------------------------------------------------
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
-
-
-def sweep_table(result: SweepResult) -> str:
-    """The per-point table (rich) and the recommendation, as the console shows them."""
-    from rich.console import Console
-    from rich.table import Table
-
-    show_pin = len({p.config.pin_memory for p in result.points}) > 1
-    rec = result.recommended
-    table = Table(title=f"dltune sweep: train loader alone, step {result.step_ms:.1f} ms ({result.step_source})",
-                  title_justify="left")
-    columns = ["workers", "prefetch", *(["pin"] if show_pin else []), "samples/s", "ms/batch", "start-up",
-               "worker CPU", "peak memory", "/dev/shm", "starvation*", "fit samples/s*", "pick"]
-    for column in columns:
-        table.add_column(column, justify="right", no_wrap=True)
-    for p in result.points:
-        c = p.config
-        table.add_row(
-            str(c.num_workers), str(c.prefetch_factor) if c.num_workers else "-",
-            *(["on" if c.pin_memory else "off"] if show_pin else []),
-            f"{p.samples_per_s:,.0f}", f"{p.loader_ms_per_batch:.1f}", f"{p.startup_s:.2f} s",
-            f"{p.worker_cpu_cores:.2f}", _mib(p.peak_memory_bytes), _mib(p.shm_bytes),
-            f"{p.predicted_starvation:.0%}", f"{p.fit_samples_per_s:,.0f}", "<-" if p is rec else "",
-        )
-    buffer = io.StringIO()
-    console = Console(file=buffer, width=160, force_terminal=False, color_system=None)
-    console.print(table)
-    console.print("* predicted for a fit with this step (workers hide the loader behind it; 0 workers cannot)")
-    for config, why in result.skipped:
-        console.print(f"skipped workers={config.num_workers} prefetch={config.prefetch_factor}: {why}")
-    if rec is not None:
-        best = max(p.fit_samples_per_s for p in result.points)
-        console.print(f"recommended: {rec.config.short()}: the leanest within {result.min_gain:.0%} of the best"
-                      f" predicted fit ({rec.fit_samples_per_s:,.0f} of {best:,.0f} samples/s;"
-                      f" starvation {rec.predicted_starvation:.0%})")
-    return buffer.getvalue().rstrip("\n")
-
-
-def write_json(result: SweepResult, path: str) -> str:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result.as_dict(), f, indent=2)
-    return path
-
-
-def write_heatmap(result: SweepResult, path: str) -> str:
-    """A workers x prefetch heatmap of samples/s (the best over ``pin_memory``); the pick is boxed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    workers = sorted({p.config.num_workers for p in result.points})
-    prefetch = sorted({p.config.prefetch_factor for p in result.points if p.config.num_workers}) or [1]
-    grid = np.full((len(workers), len(prefetch)), np.nan)
-    for p in result.points:
-        row = workers.index(p.config.num_workers)
-        cols = [0] if not p.config.num_workers else [prefetch.index(p.config.prefetch_factor)]
-        for col in cols:
-            grid[row, col] = np.fmax(grid[row, col], p.samples_per_s)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(prefetch), 1.2 + 0.6 * len(workers)))
-    image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", aspect="auto", origin="lower")
-    for (row, col), value in np.ndenumerate(grid):
-        text = "n/a" if np.isnan(value) else f"{value:,.0f}"
-        ax.text(col, row, text, ha="center", va="center", color="grey" if np.isnan(value) else "white", fontsize=9)
-    rec = result.recommended
-    if rec is not None:
-        row = workers.index(rec.config.num_workers)
-        col = prefetch.index(rec.config.prefetch_factor) if rec.config.num_workers else 0
-        ax.add_patch(plt.Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
-    ax.set_xticks(range(len(prefetch)), [str(p) for p in prefetch])
-    ax.set_yticks(range(len(workers)), [f"{w} (main)" if w == 0 else str(w) for w in workers])
-    ax.set_xlabel("prefetch_factor")
-    ax.set_ylabel("num_workers")
-    ax.set_title(f"samples/s, train loader alone (step {result.step_ms:.0f} ms)", fontsize=10)
-    fig.colorbar(image, ax=ax, label="samples/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return clock.steps
