@@ -387,7 +387,7 @@ def measure_steps_s(model: Any, datamodule: Any, trainer_kwargs: dict[str, Any],
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if pl_module.device.type == "cuda":
                 torch.cuda.synchronize(pl_module.device)
-            if batch_idx >= warmup:
+            if trainer.global_step > warmup:  # counts steps across epochs, unlike batch_idx
                 self.steps.append(time.perf_counter() - self.started)
 
     clock = StepClock()
