@@ -148,40 +148,17 @@ def _interrupt(signum: int, frame: Any) -> None:
 def _run_sweep(cli: SweepCLI) -> None:
     from lightning_dltune import sweep as lab
     from lightning_dltune import sweep_report
-    from lightning_dltune.callback import DataLoaderTuner
-    from lightning_dltune.report import write_recommendation
-    from lightning_dltune.resources import rank_budget
 
-    options, trainer, datamodule = cli.config, cli.trainer, cli.datamodule
+    options, datamodule = cli.config, cli.datamodule
     started = time.perf_counter()
-    tuner = next((cb for cb in trainer.callbacks if isinstance(cb, DataLoaderTuner)), None)
-    budget = rank_budget(
-        local_ranks=max(1, trainer.num_devices),
-        max_workers=getattr(tuner, "max_workers", None),
-        memory_fraction=getattr(tuner, "memory_fraction", 0.5),
-        shm_fraction=getattr(tuner, "shm_fraction", 0.5),
-    )
-    min_gain = options.min_gain
-    if min_gain is None:
-        min_gain = getattr(getattr(tuner, "settings", None), "min_gain", getattr(tuner, "min_gain", 0.05))
-    device = trainer.strategy.root_device
+    budget, min_gain = _tuner_limits(cli)
     original = None
     try:
-        if options.step_ms is None:
-            trainer_kwargs = {"accelerator": device.type, "precision": trainer.precision,
-                              "devices": [device.index] if device.index is not None else 1}
-            _say(f"timing {options.steps} training steps of {type(cli.model).__name__} on {device}")
-            with _quiet_lightning():
-                samples = lab.measure_steps_s(cli.model, datamodule, trainer_kwargs, options.steps)
-            step_s, source = statistics.median(samples), "measured"
-        else:
-            datamodule.prepare_data()
-            datamodule.setup("fit")
-            samples, step_s, source = [], options.step_ms / 1e3, "--step-ms"
+        samples, step_s, source = _step(cli)
         original = datamodule.loader_config
         make_loader = lab.datamodule_loaders(datamodule)
         batch_bytes = _first_batch_bytes(make_loader, original)
-        pin = (False, True) if device.type == "cuda" else (False,)
+        pin = (False, True) if cli.trainer.strategy.root_device.type == "cuda" else (False,)
         configs, skipped = lab.build_grid(original, budget, batch_bytes, options.workers, options.prefetch, pin)
         result = lab.SweepResult(
             step_ms=1e3 * step_s, step_source=source, batch_size=datamodule.batch_size, batch_bytes=batch_bytes,
@@ -196,17 +173,60 @@ def _run_sweep(cli: SweepCLI) -> None:
             datamodule.set_loader_config(original)
     result.elapsed_s = time.perf_counter() - started
     print(sweep_report.sweep_table(result), flush=True)
-    out = options.out
+    _write_outputs(result, options.out)
+
+
+def _tuner_limits(cli: SweepCLI) -> tuple[Any, float]:
+    """The rank budget and ``min_gain`` the config's DataLoaderTuner would use (its defaults without one)."""
+    from lightning_dltune.callback import DataLoaderTuner
+    from lightning_dltune.resources import rank_budget
+
+    tuner = next((cb for cb in cli.trainer.callbacks if isinstance(cb, DataLoaderTuner)), None)
+    budget = rank_budget(
+        local_ranks=max(1, cli.trainer.num_devices),  # the fit's ranks on this node share it
+        max_workers=getattr(tuner, "max_workers", None),
+        memory_fraction=getattr(tuner, "memory_fraction", 0.5),
+        shm_fraction=getattr(tuner, "shm_fraction", 0.5),
+    )
+    min_gain = cli.config.min_gain
+    if min_gain is None:
+        min_gain = getattr(getattr(tuner, "settings", None), "min_gain", getattr(tuner, "min_gain", 0.05))
+    return budget, min_gain
+
+
+def _step(cli: SweepCLI) -> tuple[list[float], float, str]:
+    """(every timed step, the step in seconds, its source); sets the datamodule up either way."""
+    from lightning_dltune import sweep as lab
+
+    options, trainer, datamodule = cli.config, cli.trainer, cli.datamodule
+    if options.step_ms is not None:
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        return [], options.step_ms / 1e3, "--step-ms"
+    device = trainer.strategy.root_device
+    trainer_kwargs = {"accelerator": device.type, "precision": trainer.precision,
+                      "devices": [device.index] if device.index is not None else 1}
+    _say(f"timing {options.steps} training steps of {type(cli.model).__name__} on {device}")
+    with _quiet_lightning():
+        samples = lab.measure_steps_s(cli.model, datamodule, trainer_kwargs, options.steps)
+    return samples, statistics.median(samples), "measured"
+
+
+def _write_outputs(result: Any, out: str) -> None:
+    from lightning_dltune import sweep_report
+    from lightning_dltune.report import write_recommendation
+
     os.makedirs(out, exist_ok=True)
     written = [sweep_report.write_json(result, os.path.join(out, sweep_report.JSON_FILE))]
     try:
         written.append(sweep_report.write_heatmap(result, os.path.join(out, sweep_report.HEATMAP_FILE)))
     except ImportError:
         _say("heatmap skipped: matplotlib is not installed (pip install matplotlib)")
-    if result.recommended is not None:
-        written.append(write_recommendation(out, result.recommended.config, note=(
-            f"dltune sweep: leanest within {min_gain:.0%} of the best predicted fit"
-            f" ({result.recommended.fit_samples_per_s:,.0f} samples/s) with a {result.step_ms:.1f} ms step ({source})")))
+    rec = result.recommended
+    if rec is not None:
+        written.append(write_recommendation(out, rec.config, note=(
+            f"dltune sweep: leanest within {result.min_gain:.0%} of the best predicted fit"
+            f" ({rec.fit_samples_per_s:,.0f} samples/s) with a {sweep_report.step_text(result)} step")))
     _say(f"{len(result.points)} points in {result.elapsed_s:.0f} s; wrote " + ", ".join(written))
 
 

@@ -78,9 +78,14 @@ def write_heatmap(result: SweepResult, path: str) -> str:
             grid[row, col] = np.fmax(grid[row, col], p.samples_per_s)
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(prefetch), 1.2 + 0.6 * len(workers)))
     image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", aspect="auto", origin="lower")
+    low, high = np.nanmin(grid), np.nanmax(grid)
     for (row, col), value in np.ndenumerate(grid):
-        text = "n/a" if np.isnan(value) else f"{value:,.0f}"
-        ax.text(col, row, text, ha="center", va="center", color="grey" if np.isnan(value) else "white", fontsize=9)
+        if np.isnan(value):
+            ax.text(col, row, "n/a", ha="center", va="center", color="grey", fontsize=9)
+            continue
+        bright = high > low and (value - low) / (high - low) > 0.6  # viridis turns yellow: dark text reads
+        ax.text(col, row, f"{value:,.0f}", ha="center", va="center", color="black" if bright else "white",
+                fontsize=9)
     rec = result.recommended
     if rec is not None:
         row = workers.index(rec.config.num_workers)

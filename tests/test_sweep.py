@@ -114,6 +114,26 @@ def test_sweep_with_a_bad_class_path_exits_2_naming_the_key(tmp_path):
 
 
 @pytest.mark.slow
+def test_sweep_needs_a_tunable_datamodule_and_says_so_with_exit_2(tmp_path):
+    config = tmp_path / "boring.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"class_path": "lightning.pytorch.demos.boring_classes.BoringModel"},
+        "data": {"class_path": "lightning.pytorch.demos.boring_classes.BoringDataModule"},
+    }))
+    proc = run_dltune("sweep", "--config", str(config), "--out", str(tmp_path / "out"), tmp=tmp_path)
+    assert proc.returncode == 2 and "TunableDataModule" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_sweep_help_lists_its_options_and_the_fit_config(tmp_path):
+    proc = run_dltune("sweep", "--help", tmp=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: dltune sweep")
+    for option in ("--step-ms", "--steps", "--seconds-per-point", "--workers", "--prefetch", "--min-gain", "--out",
+                   "--config", "--data"):
+        assert option in proc.stdout, option
+
+
+@pytest.mark.slow
 def test_sweep_with_a_bad_option_exits_2_naming_it(tmp_path):
     proc = run_dltune("sweep", "--config", "configs/demo.yaml", "--seconds-per-point", "0", tmp=tmp_path)
     assert proc.returncode == 2 and "--seconds-per-point" in proc.stderr and "Traceback" not in proc.stderr
