@@ -206,3 +206,66 @@ def test_tensorboard_server_shows_the_dltune_panels(demo):
     finally:
         server.terminate()
         server.wait(timeout=20)
+
+
+# -- the installed `dltune` script: exit status and imports --------------------------------------------
+DLTUNE_SCRIPT = Path(sys.executable).with_name("dltune")
+
+
+def run_script(*args: str, tmp: Path, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DLTUNE_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([str(DLTUNE_SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_installed_dltune_script_exits_0_after_a_successful_fit(tmp_path):
+    proc = run_script("fit", "--config", "configs/demo.yaml", *TINY, "--trainer.max_epochs", "1",
+                      *logs_args(tmp_path), tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DLTuneCLI object" not in proc.stdout + proc.stderr
+    assert "[dltune] epoch 0" in proc.stdout + proc.stderr  # it did train
+
+
+@pytest.mark.parametrize("launcher", ["script", "module"])
+def test_bad_configuration_exits_with_status_2(tmp_path, launcher):
+    args = ("fit", "--config", "configs/demo.yaml", "--data.init_args.num_workers", "-2")
+    proc = run_script(*args, tmp=tmp_path) if launcher == "script" else dltune(*args, tmp=tmp_path)
+    assert proc.returncode == 2 and "num_workers" in proc.stderr
+
+
+@pytest.mark.parametrize("launcher", ["script", "module"])
+def test_help_exits_0_and_points_to_the_sweep(tmp_path, launcher):
+    proc = run_script("--help", tmp=tmp_path) if launcher == "script" else dltune("--help", tmp=tmp_path)
+    assert proc.returncode == 0 and "dltune sweep --help" in proc.stdout
+
+
+STRAY_MODULE = "open('stray_module_imported', 'w').close()\n"
+USER_MODEL = '''
+import psutil  # installed, not yet imported when dltune starts
+import pynvml
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+for module in (psutil, pynvml):
+    print(module.__name__, "from", module.__file__)
+
+
+class UserModel(BoringModel):
+    pass
+'''
+
+
+def test_stray_modules_in_the_current_directory_do_not_shadow_installed_ones(tmp_path):
+    for name in ("pynvml", "psutil"):  # e.g. a debugging copy of NVML's bindings left in the project
+        (tmp_path / f"{name}.py").write_text(STRAY_MODULE)
+    (tmp_path / "user_model.py").write_text(USER_MODEL)  # class paths still resolve from here
+    config = tmp_path / "user.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"class_path": "user_model.UserModel"},
+        "data": {"class_path": "lightning.pytorch.demos.boring_classes.BoringDataModule"},
+    }))
+    proc = run_script("fit", "--config", str(config), "--print_config", tmp=tmp_path, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = dict(line.split(" from ", 1) for line in proc.stdout.splitlines() if " from " in line)
+    assert set(found) == {"psutil", "pynvml"}
+    assert all("site-packages" in path for path in found.values()), found
+    assert not (tmp_path / "stray_module_imported").exists()
