@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_dltune.config import LoaderConfig
-from lightning_dltune.policy import Budget
+from lightning_dltune.model import prefetch_bytes
+from lightning_dltune.records import Budget
 
 SHM_PATH = "/dev/shm"
 _MEMORY_EVERY_S = 0.25  # process-tree memory sampling period inside a point
@@ -50,18 +51,6 @@ def default_workers(max_workers: int) -> list[int]:
     if max_workers > 0:
         ladder.append(max_workers)
     return ladder
-
-
-def prefetch_bytes(config: LoaderConfig, batch_bytes: float) -> tuple[float, float]:
-    """(memory, /dev/shm) bytes the prefetched batches of ``config`` hold, the tuner's rule.
-
-    ``workers x prefetch`` batches (one with 0 workers), twice that with pinned copies; the
-    workers' batches cross ``/dev/shm``.
-    """
-    batches = config.num_workers * config.prefetch_factor if config.num_workers else 1
-    memory = batches * batch_bytes * (2 if config.pin_memory else 1)
-    shm = batches * batch_bytes if config.num_workers else 0.0
-    return memory, shm
 
 
 def over_budget(config: LoaderConfig, batch_bytes: float, budget: Budget) -> Optional[str]:
