@@ -64,12 +64,17 @@ def summary_table(history: Sequence[WindowRecord], recommended: Optional[WindowR
 
 
 def recommendation_yaml(config: LoaderConfig, note: str = "") -> str:
-    """A LightningCLI config fragment: ``--config`` it after your own config to use the recommendation."""
+    """A LightningCLI config fragment: ``--config`` it after your own config to use the recommendation.
+
+    The values sit directly under ``data:``, the form that both ``dltune fit`` (the datamodule given
+    as ``class_path``/``init_args``) and a user's own ``LightningCLI(Model, DataModule)`` accept.
+    """
     header = "# lightning-dltune recommendation: pass it after your config, e.g.\n"
     header += "#   dltune fit --config configs/demo.yaml --config dltune_recommendation.yaml\n"
+    header += "#   python train.py fit --config my.yaml --config dltune_recommendation.yaml   (your own LightningCLI)\n"
     if note:
         header += f"# {note}\n"
-    body = {"data": {"init_args": config.as_dict()}}
+    body = {"data": config.as_dict()}
     return header + yaml.safe_dump(body, sort_keys=False)
 
 

@@ -58,7 +58,7 @@ def test_demo_prints_a_line_per_epoch_a_table_and_the_recommendation(demo):
 def test_recommendation_round_trips_through_the_cli(demo):
     tmp, version, _ = demo
     rec = version / "dltune_recommendation.yaml"
-    recommended = yaml.safe_load(rec.read_text())["data"]["init_args"]
+    recommended = yaml.safe_load(rec.read_text())["data"]
     proc = dltune("fit", "--config", "configs/demo.yaml", "--config", str(rec), "--print_config", tmp=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged = yaml.safe_load(proc.stdout)

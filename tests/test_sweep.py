@@ -93,7 +93,7 @@ def test_sweep_heatmap_is_a_png(swept):
 def test_sweep_recommendation_round_trips_through_dltune_fit(swept):
     tmp, out, _, _ = swept
     rec = out / "dltune_recommendation.yaml"
-    recommended = yaml.safe_load(rec.read_text())["data"]["init_args"]
+    recommended = yaml.safe_load(rec.read_text())["data"]
     chosen = json.loads((out / "dltune_sweep.json").read_text())["recommended"]
     assert recommended["num_workers"] == chosen["num_workers"]
     assert recommended["prefetch_factor"] == chosen["prefetch_factor"]
