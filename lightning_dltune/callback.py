@@ -117,7 +117,8 @@ class DataLoaderTuner(Callback):
             move the training loaders to the new config right away, mid-epoch (no batch is lost or
             repeated); ``0``: decide at epoch ends only. Skipped for epochs shorter than twice this.
         verbose: print the per-epoch line and the final table.
-        recommendation_file: write ``dltune_recommendation.yaml`` in the log dir at the end of fit.
+        recommendation_file: write ``dltune_recommendation.yaml`` in the logger's log dir at the end of
+            fit (not without a logger nor under ``fast_dev_run``, where Lightning suppresses logging).
 
     Raises:
         ValueError: for a band other than two numbers with ``0 < low < high <= 1``, an unknown
@@ -359,8 +360,8 @@ class DataLoaderTuner(Callback):
         if self._config is None:
             return
         stats = reduce_across_ranks(trainer.strategy, self._local_stats(), trainer.world_size, pl_module.device)
-        if stats.batches == 0:
-            return
+        if stats.batches == 0 or stats.fetches == 0:
+            return  # no evidence: a window whose only fetch was the loader's start-up gets no verdict
         budget = self._reduce_budget(trainer, pl_module)
         decision = decide(self._config, stats, budget, self.history, self.settings)
         decision = trainer.strategy.broadcast(decision, src=0)
@@ -395,12 +396,15 @@ class DataLoaderTuner(Callback):
         if best is None:
             return
         self.recommended_config = best.config
-        directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
+        # Lightning suppresses logging under fast_dev_run, and without a logger there is no log dir:
+        # the recommendation then lives in the table and `recommended_config` only
+        writes = self.recommendation_file and bool(trainer.loggers) and not trainer.fast_dev_run
+        directory = trainer.log_dir if writes else None  # a collective under DDP: every rank asks
         if not trainer.is_global_zero:
             return
         if self.verbose:
             rank_zero_info(summary_table(self.history, best))
-        if self.recommendation_file:
+        if writes and directory:
             note = f"measured {best.samples_per_s:,.0f} samples/s at epoch {best.epoch} ({best.verdict})"
             self.recommendation_path = write_recommendation(directory, best.config, note)
             if self.verbose:

@@ -226,7 +226,6 @@ def test_sanity_validation(tmp_path, workdir):
 
 
 @row("`fast_dev_run=True`", "no files, no verdict without evidence")
-@pytest.mark.xfail(strict=True, reason="a 1-batch run writes a recommendation into the current directory")
 def test_fast_dev_run(tmp_path, workdir):
     model = SleepStepModule(step_s=STEP_S, record_indices=True)
     trainer, tuner = fit(tmp_path, model, make_data(), fast_dev_run=True, default_root_dir=None, logger=True)
@@ -236,7 +235,6 @@ def test_fast_dev_run(tmp_path, workdir):
 
 
 @row("`logger=False`", "no files in the current directory")
-@pytest.mark.xfail(strict=True, reason="without a logger the recommendation lands in the current directory")
 def test_no_logger_writes_nothing(tmp_path, workdir):
     model = SleepStepModule(step_s=STEP_S)
     fit(tmp_path, model, make_data(), logger=False, default_root_dir=None)
