@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_dltune import validation
 from lightning_dltune.config import LoaderConfig
+from lightning_dltune.console import say
 from lightning_dltune.datamodule import TunableDataModule, _flatten
 from lightning_dltune.distributed import reduce_across_ranks
 from lightning_dltune.gpu import MODE_SAMPLES, UtilizationSampler
@@ -403,12 +404,12 @@ class DataLoaderTuner(Callback):
         if not trainer.is_global_zero:
             return
         if self.verbose:
-            rank_zero_info(summary_table(self.history, best))
+            say(trainer, summary_table(self.history, best))
         if writes and directory:
             note = f"measured {best.samples_per_s:,.0f} samples/s at epoch {best.epoch} ({best.verdict})"
             self.recommendation_path = write_recommendation(directory, best.config, note)
             if self.verbose:
-                rank_zero_info(f"[dltune] recommendation written to {self.recommendation_path}")
+                say(trainer, f"[dltune] recommendation written to {self.recommendation_path}")
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -560,7 +561,7 @@ class DataLoaderTuner(Callback):
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("dltune/decision", _decision_markdown(record, self.tune), step)
         if self.verbose:
-            rank_zero_info(epoch_line(record, tuning=self.tune and self._datamodule is not None))
+            say(trainer, epoch_line(record, tuning=self.tune and self._datamodule is not None))
 
     def _log_step_metrics(self, trainer: pl.Trainer) -> None:
         meter = self._meter

@@ -482,10 +482,7 @@ class RecordingRich(RichProgressBar):
         super().print(*args, **kwargs)
 
 
-@pytest.mark.parametrize("bar", [
-    pytest.param(RecordingTQDM, marks=pytest.mark.xfail(strict=True, reason="lines break the bar")),
-    pytest.param(RecordingRich, marks=pytest.mark.xfail(strict=True, reason="the redraw erases the line")),
-], ids=["tqdm", "rich"])
+@pytest.mark.parametrize("bar", [RecordingTQDM, RecordingRich], ids=["tqdm", "rich"])
 def test_progress_bars(tmp_path, workdir, bar):
     progress = bar()
     fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=make_tuner(verbose=True),
