@@ -1,10 +1,13 @@
 """TunableDataModule: loaders from the current config, rebuilt in place, nothing lost, nothing leaked."""
 
+import logging
+import time
 import warnings
 
 import lightning.pytorch as pl
 import psutil
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dltune import DataLoaderTuner, LoaderConfig
@@ -159,3 +162,111 @@ def test_the_first_epoch_switches_loaders_mid_epoch_without_losing_or_repeating_
         assert len(seen) == len(set(seen)) == 248  # each sample at most once, 2 (< batch_size) dropped
     assert sorted(model.val_indices[-1]) == list(range(8))
     assert tuner.rebuilds >= 1
+
+
+# -- iterable datasets -----------------------------------------------------------------------------
+class ReplayingIterable(torch.utils.data.IterableDataset):
+    """A stream written for ``num_workers=0``: every worker would replay all of it."""
+
+    def __init__(self, length=200, batch_cost_s=0.0, batch_size=4):
+        self.length = length
+        self.sample_cost_s = batch_cost_s / batch_size
+
+    def __iter__(self):
+        for i in range(self.length):
+            if self.sample_cost_s:
+                time.sleep(self.sample_cost_s)
+            yield {"x": torch.full((8,), float(i)), "index": i}
+
+
+class ShardedIterable(ReplayingIterable):
+    """The same stream, split across workers by ``get_worker_info()``."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i, sample in enumerate(super().__iter__()):
+            if i % step == start:
+                yield sample
+
+
+class StreamData(SleepyDataModule):
+    def __init__(self, stream=ReplayingIterable, **kwargs):
+        super().__init__(**kwargs)
+        self.stream = stream
+
+    def setup(self, stage):
+        super().setup(stage)
+        self.train_dataset = self.stream(self.train_length, self.batch_cost_s, self.batch_size)
+
+
+def test_an_iterable_dataset_that_does_not_shard_keeps_its_workers_and_each_sample_once(trainer_kwargs, caplog):
+    # data-bound (20 ms a batch against a 2 ms step): the tuner would add workers, which would replay the stream
+    model = SleepStepModule(step_s=0.002, record_indices=True)
+    dm = StreamData(train_length=120, val_length=8, batch_size=4, batch_cost_s=0.02, num_workers=0)
+    tuner = DataLoaderTuner(first_decision_after=0)
+    with caplog.at_level(logging.INFO):
+        pl.Trainer(max_epochs=3, callbacks=[tuner], **trainer_kwargs).fit(model, datamodule=dm)
+    for seen in model.train_indices:
+        assert sorted(seen) == list(range(120))  # each sample once per epoch, never replayed
+    assert [r.config.num_workers for r in tuner.history] == [0, 0, 0]
+    said = [r.getMessage() for r in caplog.records if "iterable_shards_by_worker=True" in r.getMessage()]
+    assert len(said) == 1 and "holding num_workers=0" in said[0]
+
+
+def test_an_iterable_dataset_that_shards_by_worker_is_tuned_and_drops_less_than_a_batch_per_worker(trainer_kwargs):
+    model = SleepStepModule(step_s=0.002, record_indices=True)
+    dm = StreamData(stream=ShardedIterable, train_length=120, val_length=8, batch_size=4, batch_cost_s=0.02,
+                    num_workers=0, iterable_shards_by_worker=True)
+    tuner = DataLoaderTuner(first_decision_after=0, verbose=False, max_workers=3)
+    pl.Trainer(max_epochs=3, callbacks=[tuner], **trainer_kwargs).fit(model, datamodule=dm)
+    assert tuner.history[-1].config.num_workers > 0
+    for seen, record in zip(model.train_indices, tuner.history):
+        workers = record.config.num_workers
+        assert len(seen) == len(set(seen))  # never replayed
+        assert 120 - len(seen) < max(1, workers) * 4  # each worker drops at most its last partial batch
+
+
+def test_a_well_fed_iterable_loader_reports_its_queue_depth_and_few_stalls(trainer_kwargs):
+    # cheap samples, 2 workers x prefetch 2, a 20 ms step: batches are nearly always ready
+    dm = StreamData(stream=ShardedIterable, train_length=160, val_length=8, batch_size=4, num_workers=2,
+                    iterable_shards_by_worker=True)
+    tuner = DataLoaderTuner(tune=False, verbose=False)
+    pl.Trainer(max_epochs=1, callbacks=[tuner], **trainer_kwargs).fit(SleepStepModule(step_s=0.02), datamodule=dm)
+    stats = tuner.history[0].stats
+    assert stats.queue_depth is not None and stats.queue_depth > 1  # exact, not guessed from wait times
+    assert stats.stalls <= stats.fetches // 4, (stats.stalls, stats.fetches)
+
+
+# -- the user's errors, with any worker count -----------------------------------------------------
+class FailsInTheTrainingProcess(SleepyDataset):
+    """Loads fine in workers; in the training process (0 workers) it raises the user's ``error``."""
+
+    def __init__(self, length, error):
+        super().__init__(length)
+        self.error = error
+
+    def __getitems__(self, indices):
+        if torch.utils.data.get_worker_info() is None:
+            raise self.error
+        return super().__getitems__(indices)
+
+
+@pytest.mark.parametrize(
+    "error", [FileNotFoundError("/data/shard-7.tar"), MemoryError("decoder"), RuntimeError("my shm cache is full")]
+)
+def test_a_dataset_error_after_a_rebuild_to_no_workers_reaches_the_user_unchanged(trainer_kwargs, error):
+    class Data(SleepyDataModule):
+        def setup(self, stage):
+            super().setup(stage)
+            self.train_dataset = FailsInTheTrainingProcess(16, error)
+
+    forcer = AlternateConfigs([LoaderConfig(num_workers=1), LoaderConfig(num_workers=0)])
+    dm = Data(batch_size=4, num_workers=1, shuffle=False)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[forcer], **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(type(error), match=str(error)) as raised:
+        warnings.simplefilter("always")
+        trainer.fit(SleepStepModule(), datamodule=dm)
+    assert raised.value is error  # the very exception the dataset raised
+    assert trainer.current_epoch == 1 and dm.loader_config.num_workers == 0  # no rollback
+    assert not [w for w in caught if "went back" in str(w.message)]

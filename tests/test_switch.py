@@ -1,0 +1,184 @@
+"""The loader switch: what torch must offer it, how it tells machinery failures from the user's, and
+rollbacks in real fits (a worker killed, /dev/shm full) that keep every sample exactly once."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import dataloader as torch_dataloader
+
+from lightning_dltune import LoaderConfig
+from lightning_dltune.loader import build_loader
+from lightning_dltune.switch import LoaderSwitch, SwitchState
+from lightning_dltune.torch_internals import (
+    check_torch_internals,
+    is_machinery_failure,
+    outstanding_tasks,
+    shutdown_iterator,
+    take_sampler_rest,
+)
+
+HERE = os.path.dirname(__file__)
+
+
+class Indices(Dataset):
+    def __init__(self, length=40, kill_in_worker_at=None, raise_at=None):
+        self.length = length
+        self.kill_in_worker_at = kill_in_worker_at
+        self.raise_at = raise_at
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        if self.raise_at is not None and i == self.raise_at[0]:
+            raise self.raise_at[1]
+        if i == self.kill_in_worker_at and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), 9)
+        return i
+
+
+def _caught(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+        return exc
+    raise AssertionError("nothing was raised")
+
+
+# -- the torch internals ------------------------------------------------------------------------
+def test_the_installed_torch_has_every_internal_the_switch_uses():
+    check_torch_internals()
+
+
+def test_a_torch_without_an_internal_the_switch_uses_fails_loudly(monkeypatch):
+    monkeypatch.delattr(torch_dataloader._MultiProcessingDataLoaderIter, "_shutdown_workers")
+    with pytest.raises(RuntimeError, match="_MultiProcessingDataLoaderIter._shutdown_workers"):
+        check_torch_internals()
+
+
+def test_a_split_iterator_hands_back_exactly_what_its_workers_had_not_delivered():
+    # what the switch relies on: the rest of the sampler iteration plus the tasks not yet yielded
+    # are the epoch's remaining batches, in order
+    loader = DataLoader(Indices(40), batch_size=4, num_workers=2, prefetch_factor=2)
+    iterator = iter(loader)
+    seen = [next(iterator).tolist() for _ in range(3)]
+    tasks = outstanding_tasks(iterator)
+    assert tasks == list(range(3, 3 + len(tasks))) and len(tasks) == 4  # 2 workers x prefetch 2 in flight
+    rest = take_sampler_rest(iterator)
+    drained = [b.tolist() for b in iterator]  # the workers deliver what they hold, then stop
+    shutdown_iterator(iterator)
+    assert len(drained) == len(tasks)
+    flat = [i for b in seen + drained for i in b] + [i for b in rest for i in b]
+    assert flat == list(range(40))
+
+
+# -- what raised it -------------------------------------------------------------------------------
+def test_a_killed_worker_is_a_machinery_failure():
+    loader = DataLoader(Indices(40, kill_in_worker_at=9), batch_size=4, num_workers=2)
+    exc = _caught(lambda: list(loader))
+    assert is_machinery_failure(exc), exc
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(
+    "error",
+    [FileNotFoundError("/data/x.jpg"), MemoryError("decoder"), RuntimeError("no shm left for my cache"),
+     OSError(28, "No space left on device")],
+)
+def test_the_users_own_errors_are_never_machinery_failures(workers, error):
+    loader = DataLoader(Indices(40, raise_at=(5, error)), batch_size=4, num_workers=workers)
+    exc = _caught(lambda: list(loader))
+    assert not is_machinery_failure(exc), exc
+
+
+def test_a_users_collate_or_worker_init_error_is_not_a_machinery_failure():
+    def bad_init(worker_id):
+        raise OSError("cannot open the shard index")
+
+    def bad_collate(samples):
+        raise RuntimeError("unable to allocate shared memory(shm): my own message")
+
+    for kwargs in ({"worker_init_fn": bad_init}, {"collate_fn": bad_collate}):
+        exc = _caught(lambda: list(DataLoader(Indices(8), batch_size=4, num_workers=1, **kwargs)))
+        assert not is_machinery_failure(exc), exc
+
+
+# -- the switch's life ----------------------------------------------------------------------------
+def test_a_switch_is_confirmed_after_its_batches_and_then_detaches():
+    loader = build_loader(Indices(40), LoaderConfig(num_workers=0), batch_size=4)
+    switch = LoaderSwitch(loader, LoaderConfig(num_workers=1), LoaderConfig(num_workers=0), confirm_after=3)
+    assert switch.state is SwitchState.STARTED and loader.switch is switch and loader.num_workers == 1
+    it = iter(loader)
+    next(it), next(it)
+    assert switch.state is SwitchState.STARTED
+    next(it)
+    assert switch.state is SwitchState.CONFIRMED and loader.switch is None
+    assert [i for b in it for i in b.tolist()] == list(range(12, 40))
+
+
+def test_a_worker_killed_after_the_first_batches_rolls_back_with_every_sample_once():
+    rolled = []
+    loader = build_loader(Indices(40, kill_in_worker_at=21), LoaderConfig(num_workers=0), batch_size=4)
+    LoaderSwitch(loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=0),
+                 on_rollback=lambda s, e: rolled.append((s.target.num_workers, type(e).__name__)))
+    seen = [i for b in loader for i in b.tolist()]
+    assert seen == list(range(40))  # the batches the dead worker held came again, in order
+    assert rolled == [(2, "RuntimeError")] and loader.num_workers == 0
+
+
+def test_a_pending_switch_drains_the_old_workers_then_runs_the_rest_with_the_new_ones():
+    loader = build_loader(Indices(40), LoaderConfig(num_workers=1), batch_size=4)
+    it = iter(loader)
+    seen = [i for _ in range(2) for i in next(it).tolist()]
+    switch = LoaderSwitch(loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=1), pending=True)
+    seen += [i for b in it for i in b.tolist()]
+    assert seen == list(range(40)) and loader.num_workers == 2 and switch.state is SwitchState.STARTED
+
+
+# -- /dev/shm full, for real ---------------------------------------------------------------------
+def _small_shm_available() -> bool:
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+needs_small_shm = pytest.mark.skipif(
+    not _small_shm_available(), reason="needs `unshare -m` and tmpfs mounts (root in a mount namespace)"
+)
+
+
+def run_with_small_shm(script: str, shm: str = "8m", timeout: float = 300) -> dict:
+    """Runs ``script`` in a private mount namespace whose /dev/shm is a ``shm`` tmpfs; returns its JSON."""
+    command = f"mount -t tmpfs -o size={shm} tmpfs /dev/shm && exec {sys.executable} -c \"$SCRIPT\""
+    env = {**os.environ, "SCRIPT": textwrap.dedent(script), "PYTHONPATH": HERE}
+    done = subprocess.run(["unshare", "-m", "sh", "-c", command], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_small_shm
+def test_shm_exhaustion_in_a_worker_is_a_machinery_failure():
+    result = run_with_small_shm("""
+        import json, torch
+        from torch.utils.data import DataLoader, Dataset
+        from lightning_dltune.torch_internals import is_machinery_failure
+        class Big(Dataset):
+            def __len__(self): return 16
+            def __getitem__(self, i): return torch.zeros(2**20)  # 4 MB a sample, 8 MB a batch
+        try:
+            list(DataLoader(Big(), batch_size=2, num_workers=2))
+            print(json.dumps({"raised": None}))
+        except Exception as exc:
+            print(json.dumps({"raised": str(exc)[-300:], "machinery": is_machinery_failure(exc)}))
+    """)
+    assert "No space left on device" in result["raised"] and result["machinery"] is True
