@@ -1,6 +1,7 @@
 """TunableDataModule: loaders from the current config, rebuilt in place, nothing lost, nothing leaked."""
 
 import logging
+import os
 import time
 import warnings
 
@@ -270,3 +271,84 @@ def test_a_dataset_error_after_a_rebuild_to_no_workers_reaches_the_user_unchange
     assert raised.value is error  # the very exception the dataset raised
     assert trainer.current_epoch == 1 and dm.loader_config.num_workers == 0  # no rollback
     assert not [w for w in caught if "went back" in str(w.message)]
+
+
+# -- rollbacks: every sample once, nothing skipped -------------------------------------------------
+class KilledFromIndex(SleepyDataset):
+    """Workers are killed (as by the OOM killer) at a batch from ``kill_from`` on when more than ``above`` run."""
+
+    def __init__(self, length, kill_from=0, above=1, batch_cost_s=0.0):
+        super().__init__(length, batch_cost_s=batch_cost_s)
+        self.kill_from = kill_from
+        self.above = above
+
+    def __getitems__(self, indices):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.num_workers > self.above and max(indices) >= self.kill_from:
+            os.kill(os.getpid(), 9)
+        return super().__getitems__(indices)
+
+
+class KilledData(SleepyDataModule):
+    def __init__(self, kill_from=0, above=1, kill_val=False, **kwargs):
+        super().__init__(**kwargs)
+        self.kill = {"kill_from": kill_from, "above": above}
+        self.kill_val = kill_val
+
+    def setup(self, stage):
+        super().setup(stage)
+        self.train_dataset = KilledFromIndex(self.train_length, batch_cost_s=self.batch_cost_s, **self.kill)
+        if self.kill_val:
+            self.val_dataset = KilledFromIndex(self.val_length, **self.kill)
+
+
+def _went_back(caught):
+    return [w for w in caught if "went back" in str(w.message)]
+
+
+def test_a_rebuilt_loader_whose_workers_die_after_its_first_batches_rolls_back_with_every_sample_once(trainer_kwargs):
+    # epoch 1 runs 2 workers, killed from batch 5 on: later than the first batch, within a few windows
+    forcer = AlternateConfigs([LoaderConfig(num_workers=0), LoaderConfig(num_workers=2)])
+    model = SleepStepModule(record_indices=True)
+    dm = KilledData(kill_from=20, train_length=40, val_length=8, batch_size=4, shuffle=False)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[forcer], **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    assert len(_went_back(caught)) == 1
+    assert [sorted(seen) for seen in model.train_indices] == [list(range(40))] * 2
+    assert [sorted(seen) for seen in model.val_indices] == [list(range(8))] * 2
+    assert dm.loader_config.num_workers == 0
+
+
+def test_a_failed_mid_epoch_switch_keeps_the_whole_epoch_and_its_validation(trainer_kwargs):
+    # I/O-bound, so the early decision adds workers mid-epoch; more than one worker is killed
+    model = SleepStepModule(step_s=0.005, record_indices=True)
+    dm = KilledData(train_length=160, val_length=8, batch_size=4, batch_cost_s=0.03, num_workers=0)
+    tuner = DataLoaderTuner(verbose=False, first_decision_after=10, max_workers=4)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    assert tuner.history[0].first_batches == 10 and tuner.history[0].changed
+    assert len(_went_back(caught)) == 1
+    for seen in model.train_indices:
+        assert sorted(seen) == list(range(160))  # full length: the dead workers' batches came again
+    assert [sorted(seen) for seen in model.val_indices] == [list(range(8))] * 2  # validation ran every epoch
+    assert all(r.config.num_workers <= 1 for r in tuner.history[1:])
+
+
+def test_a_start_config_whose_workers_die_falls_back_for_train_val_and_the_sanity_check(trainer_kwargs):
+    model = SleepStepModule(record_indices=True)
+    dm = KilledData(kill_val=True, train_length=32, val_length=8, batch_size=4, num_workers=2)
+    tuner = DataLoaderTuner(verbose=False, first_decision_after=0)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **{**trainer_kwargs, "num_sanity_val_steps": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    assert len(_went_back(caught)) == 1
+    assert [sorted(seen) for seen in model.train_indices] == [list(range(32))] * 2
+    assert [sorted(seen) for seen in model.val_indices] == [list(range(8))] * 2
+    assert tuner.history[0].config.num_workers <= 1
+    assert all(dl.num_workers <= 1 for dl in dm.live_loaders())
+    assert tuner.state_dict()["worker_cap"] == 1  # halfway back up to the count that failed, kept in checkpoints
