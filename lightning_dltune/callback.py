@@ -24,6 +24,7 @@ from lightning_dltune.report import epoch_line, recommend, summary_table, write_
 from lightning_dltune.resources import rank_budget
 from lightning_dltune.stats import WindowStats
 from lightning_dltune.tensorboard import custom_scalars_layout, tag
+from lightning_dltune.torch_internals import describe_failure
 
 UTIL_SOURCE_CHOICES = ("auto", "nvml", "estimate")
 
@@ -531,10 +532,12 @@ class DataLoaderTuner(Callback):
         batch_bytes = self._datamodule.estimate_batch_bytes()
         limits = [b for b in (budget.shm_bytes, budget.memory_bytes) if b is not None]
         if workers and batch_bytes and limits:
-            allowed = int(min(limits) // (batch_bytes * (2 if config.pin_memory else 1)))
-            if workers * prefetch > allowed:
-                prefetch = max(1, allowed // workers) if allowed >= workers else 1
-                workers = min(workers, allowed)
+            # persistent train and val workers hold their batches at once, plus the one each loop holds
+            loaders = 2 if self._datamodule.val_dataset is not None and config.persistent_workers else 1
+            per_loader = int(min(limits) // (batch_bytes * (2 if config.pin_memory else 1))) // loaders - 1
+            if workers * prefetch > per_loader:
+                prefetch = max(1, per_loader // workers) if per_loader >= workers else 1
+                workers = max(0, min(workers, per_loader))
         clamped = config.replace(num_workers=workers, prefetch_factor=prefetch)
         if clamped != config:
             self._datamodule.set_loader_config(clamped)
@@ -555,7 +558,7 @@ class DataLoaderTuner(Callback):
         self._config = previous
         self._say_once(
             "rebuild-failed",
-            f"DataLoaderTuner: the rebuilt loader failed to start ({type(exc).__name__}: {str(exc)[:200]});"
+            f"DataLoaderTuner: the rebuilt loader failed to start ({describe_failure(exc)});"
             f" went back to {previous.short()} and the fit goes on.",
             warn=True,
             all_ranks=True,

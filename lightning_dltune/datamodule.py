@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.loader import TunedDataLoader, build_loader, loader_config_of, shutdown_workers
 from lightning_dltune.switch import LoaderSwitch
+from lightning_dltune.torch_internals import describe_failure
 
 # called as on_failure(failed config, config gone back to, exception) after a rollback
 FailureListener = Callable[[LoaderConfig, LoaderConfig, BaseException], None]
@@ -289,7 +290,10 @@ class TunableDataModule:
         for loader in self.live_loaders():
             if _runs_with(loader, target):
                 continue
-            fallback = self._last_good_config or loader_config_of(loader)
+            # a loader's own config forgets persistence at 0 workers: keep the module's choice
+            fallback = self._last_good_config or loader_config_of(loader).replace(
+                persistent_workers=target.persistent_workers
+            )
             self._start_switch(loader, target, fallback if fallback != target else None, pending=False)
             rebuilt += 1
         return rebuilt
@@ -349,7 +353,7 @@ class TunableDataModule:
 
 def _warn_rollback(failed: LoaderConfig, restored: LoaderConfig, exc: BaseException) -> None:
     warnings.warn(
-        f"TunableDataModule: the loaders could not run {failed.short()} ({type(exc).__name__}: {str(exc)[:200]});"
+        f"TunableDataModule: the loaders could not run {failed.short()} ({describe_failure(exc)});"
         f" went back to {restored.short()}.",
         stacklevel=2,
     )

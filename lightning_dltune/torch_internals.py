@@ -73,6 +73,15 @@ def is_machinery_failure(exc: BaseException) -> bool:
     return filename in _MACHINERY_FILES or filename.startswith(_MACHINERY_DIRS)
 
 
+def describe_failure(exc: BaseException) -> str:
+    """``Type: message`` of a failure in one line; for a worker's, the line that names its cause."""
+    message = str(exc)
+    if _WRAPPED in message:
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        return f"{lines[-1][:300]} (in a worker)"
+    return f"{type(exc).__name__}: {message[:300]}"
+
+
 class RestOfEpoch:
     """Stands in for a loader's index sampler: iterating it continues an interrupted epoch."""
 

@@ -182,3 +182,70 @@ def test_shm_exhaustion_in_a_worker_is_a_machinery_failure():
             print(json.dumps({"raised": str(exc)[-300:], "machinery": is_machinery_failure(exc)}))
     """)
     assert "No space left on device" in result["raised"] and result["machinery"] is True
+
+
+_SHM_FIT = """
+    import json, warnings
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from lightning_dltune import DataLoaderTuner, LoaderConfig
+    from workloads import SleepStepModule, SleepyDataModule, SleepyDataset
+
+    class Big(SleepyDataset):  # {mb} MB a sample
+        def __getitem__(self, i):
+            return {{"x": torch.zeros(int({mb} * 2**18)), "index": i}}
+
+    class BigData(SleepyDataModule):
+        def setup(self, stage):
+            self.train_dataset, self.val_dataset = Big(24), Big(6)
+
+    class Model(SleepStepModule):
+        def __init__(self):
+            super().__init__(record_indices=True)
+            self.layer = torch.nn.Linear(int({mb} * 2**18), 1)
+
+    class Force(Callback):  # the mixin's own rebuild path, forced to {force} from epoch 1
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1 and {force!r}:
+                trainer.datamodule.set_loader_config(LoaderConfig(**{force!r}))
+                trainer.datamodule.rebuild_loaders()
+
+    dm = BigData(batch_size=2, shuffle=False, {start})
+    model = Model()
+    callbacks = [Force()] + ([DataLoaderTuner(first_decision_after=0, max_rebuilds=0)] if {tuner} else [])
+    trainer = pl.Trainer(max_epochs=2, callbacks=callbacks, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    print(json.dumps({{
+        "train": [sorted(s) for s in model.train_indices], "val": [sorted(s) for s in model.val_indices],
+        "went_back": [str(w.message) for w in caught if "went back" in str(w.message)],
+        "workers": [dl.num_workers for dl in dm.live_loaders()],
+        "configs": [(r.config.num_workers, r.config.prefetch_factor) for r in callbacks[-1].history] if {tuner} else [],
+    }}))
+"""
+
+
+@needs_small_shm
+def test_a_rebuild_that_fills_dev_shm_goes_back_with_every_sample_once():
+    # 3 MB samples, 6 MB batches: 2 workers x prefetch 2 need 24 MB of an 8 MB /dev/shm
+    script = _SHM_FIT.format(mb=3, force={"num_workers": 2, "prefetch_factor": 2}, start="num_workers=0", tuner=False)
+    result = run_with_small_shm(script, shm="8m")
+    assert len(result["went_back"]) == 1 and "No space left on device" in result["went_back"][0]
+    assert result["train"] == [list(range(24))] * 2 and result["val"] == [list(range(6))] * 2
+    assert result["workers"] == [0, 0]
+
+
+@needs_small_shm
+def test_a_start_config_over_the_dev_shm_budget_is_clamped_before_any_worker_starts():
+    # 0.5 MB samples, 1 MB batches: a 4 x 4 start would put 2 x 17 MB through an 8 MB /dev/shm
+    script = _SHM_FIT.format(mb=0.5, force={}, start="num_workers=4, prefetch_factor=4", tuner=True)
+    result = run_with_small_shm(script, shm="8m")
+    assert result["went_back"] == []  # clamped up front: nothing had to fail first
+    workers, prefetch = result["configs"][0]
+    # train and val workers' batches, plus the one each loop holds, within half the free /dev/shm
+    assert workers >= 1 and 2 * (workers * prefetch + 1) * 1 <= 4
+    assert result["train"] == [list(range(24))] * 2 and result["val"] == [list(range(6))] * 2
