@@ -352,3 +352,23 @@ def test_a_start_config_whose_workers_die_falls_back_for_train_val_and_the_sanit
     assert tuner.history[0].config.num_workers <= 1
     assert all(dl.num_workers <= 1 for dl in dm.live_loaders())
     assert tuner.state_dict()["worker_cap"] == 1  # halfway back up to the count that failed, kept in checkpoints
+
+
+def test_a_mid_epoch_switch_moves_validation_too_in_the_same_epoch(trainer_kwargs):
+    class SwitchAtBatch3(Callback):
+        val_workers = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.current_epoch == 0 and batch_idx == 3:
+                trainer.datamodule.switch_train_loaders(LoaderConfig(num_workers=0))
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            if batch_idx == 0:
+                self.val_workers.append(trainer.val_dataloaders.num_workers)
+
+    model = SleepStepModule(record_indices=True)
+    dm = SleepyDataModule(train_length=32, val_length=8, batch_size=4, num_workers=1)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[SwitchAtBatch3()], **trainer_kwargs)
+    trainer.fit(model, datamodule=dm)
+    assert SwitchAtBatch3.val_workers == [0]  # validation of that epoch already ran the new config
+    assert sorted(model.train_indices[0]) == list(range(32)) and sorted(model.val_indices[0]) == list(range(8))
