@@ -214,6 +214,7 @@ class TunableDataModule:
             batch_size=self.batch_size,
             shuffle=self.shuffle and train,
             drop_last=train,
+            loop_position=self._training_loop_position if train else None,
             **kwargs,
         )
         fallback = self._fallback_for(config)
@@ -221,6 +222,12 @@ class TunableDataModule:
             self._start_switch(loader, config, fallback, pending=False)
         self._built = self._built[-3:] + [loader]
         return loader
+
+    def _training_loop_position(self) -> tuple[int, bool]:
+        """(batches the fit loop took this epoch, whether its epoch is done), for mid-epoch resume."""
+        trainer = self.trainer
+        taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return taken, taken >= trainer.num_training_batches
 
     def _fallback_for(self, config: LoaderConfig) -> Optional[LoaderConfig]:
         if self._on_failure is None or config == self._last_good_config:
@@ -289,6 +296,9 @@ class TunableDataModule:
         rebuilt = 0
         for loader in self.live_loaders():
             if _runs_with(loader, target):
+                fallback = self._fallback_for(target) if loader.switch is None else None
+                if fallback is not None:  # a loader Lightning re-created (DDP's sampler): protect it too
+                    self._start_switch(loader, target, fallback, pending=False)
                 continue
             # a loader's own config forgets persistence at 0 workers: keep the module's choice
             fallback = self._last_good_config or loader_config_of(loader).replace(
@@ -328,8 +338,13 @@ class TunableDataModule:
             fallback,
             pending=pending,
             on_rollback=self._rolled_back,
+            on_confirm=self._confirmed,
             multiprocessing_context=self.loader_kwargs.get("multiprocessing_context"),
         )
+
+    def _confirmed(self, switch: LoaderSwitch) -> None:
+        if switch.target == self._loader_config:
+            self._last_good_config = switch.target
 
     def _rolled_back(self, switch: LoaderSwitch, exc: BaseException) -> None:
         """One loader went back: so do the module's config and every other live loader (train and val)."""

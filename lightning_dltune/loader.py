@@ -20,7 +20,15 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.switch import LoaderSwitch, SwitchState
-from lightning_dltune.torch_internals import IndexSamplerHook, set_persistent_workers, shutdown_workers
+from lightning_dltune.torch_internals import (
+    IndexSamplerHook,
+    RestOfEpoch,
+    index_sampler_of,
+    iterate_over,
+    replay_order,
+    set_persistent_workers,
+    shutdown_workers,
+)
 
 __all__ = ["TunedDataLoader", "build_loader", "loader_config_of", "reconfigure", "shutdown_workers"]
 
@@ -202,6 +210,31 @@ class TunedDataLoader(IndexSamplerHook, DataLoader):
 
     fetch_recorder: Optional[FetchRecorder] = None
     switch: Optional[LoaderSwitch] = None  # the change in progress, from its start to its end
+    # (batches the training loop took this epoch, whether the epoch is done): set for a training loader
+    loop_position: Optional[Callable[[], tuple[int, bool]]] = None
+    _resume: Optional[dict] = None  # a mid-epoch position loaded from a checkpoint, for the next iter()
+
+    def __init__(self, *args: Any, loop_position: Optional[Callable[[], tuple[int, bool]]] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # an argument, not only an attribute, so a loader Lightning re-creates (DDP's sampler) keeps it
+        self.loop_position = loop_position
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training loop is in this epoch, and what replays the epoch's sampler order.
+
+        Lightning saves it in checkpoints; :meth:`load_state_dict` resumes the epoch with every remaining
+        sample exactly once, whatever the worker count of the resumed fit. Empty for a stream
+        (an ``IterableDataset`` cannot be replayed) or a loader outside a fit.
+        """
+        if self.loop_position is None or self.order_state is None or isinstance(self.dataset, IterableDataset):
+            return {}
+        taken, done = self.loop_position()
+        return {"order": self.order_state, "batches_taken": int(taken), "epoch_done": bool(done)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the saved position at the next ``iter()`` (nothing to do after a finished epoch)."""
+        if state_dict and not state_dict.get("epoch_done", True) and state_dict.get("order") is not None:
+            self._resume = state_dict
 
     def __iter__(self) -> Iterator:
         started = time.perf_counter()
@@ -209,13 +242,20 @@ class TunedDataLoader(IndexSamplerHook, DataLoader):
         if switch is not None and switch.state is SwitchState.PENDING:
             switch.start_now()  # a new iteration: the switch needs no draining
         try:
-            iterator = super().__iter__()
+            iterator = self._iter_resumed() if self._resume is not None else super().__iter__()
         except Exception as exc:
             recovered = switch.recover(exc, None, 0) if switch is not None else None
             if recovered is None:
                 raise
             iterator = recovered
         return _ProbedIterator(self, iterator, started)
+
+    def _iter_resumed(self) -> Iterator:
+        resume, self._resume = self._resume, None
+        assert resume is not None
+        rest = replay_order(index_sampler_of(self), resume["order"], resume["batches_taken"])
+        self.order_state = resume["order"]  # still this epoch's order, for the next checkpoint
+        return iterate_over(self, RestOfEpoch(rest))
 
 
 def loader_config_of(loader: DataLoader) -> LoaderConfig:

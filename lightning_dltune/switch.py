@@ -54,6 +54,7 @@ class LoaderSwitch:
         confirm_after: batches the new config must deliver before the switch is over.
         on_rollback: called as ``on_rollback(switch, exception)`` after a rollback.
         multiprocessing_context: the context to give the loader when it gains workers.
+        on_confirm: called as ``on_confirm(switch)`` once the new config is confirmed.
     """
 
     def __init__(
@@ -65,12 +66,14 @@ class LoaderSwitch:
         confirm_after: int = CONFIRM_AFTER_BATCHES,
         on_rollback: Optional[Callable[[LoaderSwitch, BaseException], None]] = None,
         multiprocessing_context: Any = None,
+        on_confirm: Optional[Callable[[LoaderSwitch], None]] = None,
     ) -> None:
         self.loader = loader
         self.target = target
         self.fallback = fallback
         self.confirm_after = confirm_after
         self.on_rollback = on_rollback
+        self.on_confirm = on_confirm
         self.multiprocessing_context = multiprocessing_context
         self.error: Optional[BaseException] = None
         self.delivered = 0
@@ -119,6 +122,8 @@ class LoaderSwitch:
             self.state = SwitchState.CONFIRMED
             self._detach()
             unmute_worker_deaths(iterator)
+            if self.on_confirm is not None:
+                self.on_confirm(self)
 
     def record(self, index_batches: Iterator) -> Iterator:
         """Remember the index batches a started switch's workers are handed (see ``IndexSamplerHook``)."""

@@ -23,6 +23,7 @@ What this module relies on (torch 2.1 to 2.13):
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from typing import Any, Iterable, Iterator, Optional
@@ -92,6 +93,58 @@ class RestOfEpoch:
         return self._iterator
 
 
+class EpochOrder:
+    """Wraps a loader's own index sampler: at each epoch's first draw, notes what replays its order.
+
+    The first index batch is drawn at ``iter()`` (not when torch first asks), right after the RNG
+    states are noted, so nothing else draws from the RNG in between; the rest is chained in C.
+    """
+
+    def __init__(self, sampler: Any, owner: Any) -> None:
+        self.sampler = sampler
+        self._owner = owner
+
+    def __iter__(self) -> Iterator:
+        self._owner.order_state = capture_order(self.sampler)
+        iterator = iter(self.sampler)
+        first = list(itertools.islice(iterator, 1))
+        return itertools.chain(first, iterator) if first else iter(())
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def _generators(sampler: Any) -> list[torch.Generator]:
+    """The generators a (batch) sampler draws its order from, besides torch's global one."""
+    found = []
+    for obj in (sampler, getattr(sampler, "sampler", None)):
+        generator = getattr(obj, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
+def capture_order(sampler: Any) -> dict[str, Any]:
+    """The RNG states an epoch of ``sampler`` draws its order from (taken before its first draw)."""
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in _generators(sampler)]}
+
+
+def replay_order(sampler: Any, state: dict[str, Any], skip: int) -> Iterator:
+    """The epoch of ``sampler`` that ``state`` began, without its first ``skip`` index batches.
+
+    Exact for samplers whose order follows from the RNG states at their first draw (torch's
+    ``RandomSampler``, ``SubsetRandomSampler``, ``DistributedSampler``, a ``BatchSampler`` of them, any
+    sequential sampler). The global RNG is left as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state["torch"])
+        for generator, generator_state in zip(_generators(sampler), state["generators"]):
+            generator.set_state(generator_state)
+        iterator = iter(sampler)
+        head = list(itertools.islice(iterator, skip + 1))  # every draw from the restored RNG happens here
+    return itertools.chain(head[skip:], iterator)
+
+
 class RecordingIndexSampler:
     """Wraps a loader's index sampler; while ``recorder`` asks, remembers the index batches drawn.
 
@@ -134,12 +187,13 @@ class IndexSamplerHook:
 
     _index_override: Any = None
     _index_recorder: Any = None
+    order_state: Optional[dict] = None  # what replays the current epoch's order (see EpochOrder)
 
     @property
     def _index_sampler(self) -> Any:
         base = self.__dict__.get("_index_override")
         if base is None:
-            base = _BASE_INDEX_SAMPLER.fget(self)  # type: ignore[union-attr]
+            base = EpochOrder(_BASE_INDEX_SAMPLER.fget(self), self)  # type: ignore[union-attr]
         recorder = self.__dict__.get("_index_recorder")
         return base if recorder is None else RecordingIndexSampler(base, recorder)
 

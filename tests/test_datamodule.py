@@ -372,3 +372,40 @@ def test_a_mid_epoch_switch_moves_validation_too_in_the_same_epoch(trainer_kwarg
     trainer.fit(model, datamodule=dm)
     assert SwitchAtBatch3.val_workers == [0]  # validation of that epoch already ran the new config
     assert sorted(model.train_indices[0]) == list(range(32)) and sorted(model.val_indices[0]) == list(range(8))
+
+
+# -- exact mid-epoch resume, with any worker count ------------------------------------------------
+class CheckpointAndStop(Callback):
+    """Saves a checkpoint after batch ``batch_idx`` of epoch ``epoch`` (as ModelCheckpoint would) and stops."""
+
+    def __init__(self, path, epoch, batch_idx):
+        self.path, self.epoch, self.batch_idx = path, epoch, batch_idx
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == self.epoch and batch_idx == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("resume_workers", [0, 2])
+def test_a_fit_resumed_mid_epoch_with_another_worker_count_sees_every_remaining_sample_once(
+    trainer_kwargs, tmp_path, resume_workers
+):
+    ckpt = str(tmp_path / "mid.ckpt")
+    first = SleepStepModule(record_indices=True)
+    dm = SleepyDataModule(train_length=80, val_length=8, batch_size=4, num_workers=4)
+    stop = CheckpointAndStop(ckpt, epoch=1, batch_idx=6)
+    pl.Trainer(max_epochs=3, callbacks=[stop], **trainer_kwargs).fit(first, datamodule=dm)
+    assert len(first.train_indices[1]) == 7 * 4
+
+    resumed = SleepStepModule(record_indices=True)
+    resumed.train_indices.append([])  # Lightning skips on_train_epoch_start when it resumes mid-epoch
+    dm = SleepyDataModule(train_length=80, val_length=8, batch_size=4, num_workers=resume_workers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(max_epochs=3, **trainer_kwargs).fit(resumed, datamodule=dm, ckpt_path=ckpt)
+    assert not [w for w in caught if "not resumable" in str(w.message)]
+    epoch_1 = first.train_indices[1] + resumed.train_indices[0]
+    assert sorted(epoch_1) == list(range(80))  # the rest of the epoch, no sample twice, none missed
+    assert first.train_indices[1] == first.train_indices[1][:28] and len(resumed.train_indices[0]) == 52
+    assert sorted(resumed.train_indices[1]) == list(range(80))  # the next epoch is a whole one

@@ -127,10 +127,11 @@ def test_a_worker_killed_after_the_first_batches_rolls_back_with_every_sample_on
     rolled = []
     loader = build_loader(Indices(40, kill_in_worker_at=21), LoaderConfig(num_workers=0), batch_size=4)
     LoaderSwitch(loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=0),
-                 on_rollback=lambda s, e: rolled.append((s.target.num_workers, type(e).__name__)))
+                 on_rollback=lambda s, e: rolled.append(s.target.num_workers))
     seen = [i for b in loader for i in b.tolist()]
     assert seen == list(range(40))  # the batches the dead worker held came again, in order
-    assert rolled == [(2, "RuntimeError")] and loader.num_workers == 0
+    # torch reports the death as it finds it (a RuntimeError, or a reset connection mid-transfer)
+    assert rolled == [2] and loader.num_workers == 0
 
 
 def test_a_pending_switch_drains_the_old_workers_then_runs_the_rest_with_the_new_ones():
