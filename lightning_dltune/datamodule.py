@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_dltune.config import LoaderConfig
-from lightning_dltune.loader import TunedDataLoader, build_loader, loader_config_of, shutdown_workers
+from lightning_dltune.loader import TunedDataLoader, build_loader, loader_config_of, sample_bytes, shutdown_workers
 from lightning_dltune.switch import LoaderSwitch
 from lightning_dltune.torch_internals import describe_failure
 
@@ -171,19 +171,16 @@ class TunableDataModule:
         )
 
     def estimate_batch_bytes(self) -> Optional[int]:
-        """Tensor bytes of one training batch, from one sample read in this process (map-style only)."""
-        from lightning_utilities.core.apply_func import apply_to_collection
+        """Tensor bytes of one training batch, from one sample (map-style datasets only; else ``None``).
 
+        The sample is read in a forked child process, so a dataset that opens files or handles lazily
+        (HDF5, LMDB) does not open them in the training process before its workers fork.
+        """
         dataset = self.train_dataset
         if dataset is None or isinstance(dataset, IterableDataset):
             return None
-        try:
-            sample = dataset[0]
-        except Exception:  # the fit will raise it where the user expects it, with its own traceback
-            return None
-        sizes: list[int] = []
-        apply_to_collection(sample, torch.Tensor, lambda t: sizes.append(t.nelement() * t.element_size()))
-        return sum(sizes) * self.batch_size if sizes else None
+        nbytes = sample_bytes(dataset)
+        return nbytes * self.batch_size if nbytes else None
 
     def _resolve_pin_memory(self) -> None:
         if self._pin_resolved:
@@ -372,3 +369,4 @@ def _warn_rollback(failed: LoaderConfig, restored: LoaderConfig, exc: BaseExcept
         f" went back to {restored.short()}.",
         stacklevel=2,
     )
+

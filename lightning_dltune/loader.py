@@ -16,6 +16,7 @@ import multiprocessing
 import time
 from typing import Any, Callable, Iterator, Optional, Protocol
 
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lightning_dltune.config import LoaderConfig
@@ -30,7 +31,7 @@ from lightning_dltune.torch_internals import (
     shutdown_workers,
 )
 
-__all__ = ["TunedDataLoader", "build_loader", "loader_config_of", "reconfigure", "shutdown_workers"]
+__all__ = ["TunedDataLoader", "build_loader", "loader_config_of", "reconfigure", "sample_bytes", "shutdown_workers"]
 
 _SLOTS = 1024  # worker slots in the shared counters (slot 0: the training process)
 _FIELDS = 4  # batches made, batches timed, wall seconds, cpu seconds
@@ -256,6 +257,42 @@ class TunedDataLoader(IndexSamplerHook, DataLoader):
         rest = replay_order(index_sampler_of(self), resume["order"], resume["batches_taken"])
         self.order_state = resume["order"]  # still this epoch's order, for the next checkpoint
         return iterate_over(self, RestOfEpoch(rest))
+
+
+def sample_bytes(dataset: Dataset, timeout_s: float = 30.0) -> Optional[int]:
+    """Tensor bytes of ``dataset[0]``, read in a forked child process; ``None`` if it cannot be read.
+
+    A child, so that a dataset opening files or handles lazily (HDF5, LMDB) does not open them in the
+    training process before its workers fork.
+    """
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_send_sample_bytes, args=(dataset, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        return receive.recv() if receive.poll(timeout_s) else None
+    except EOFError:  # the child died; the fit meets the same problem where the user expects it
+        return None
+    finally:
+        receive.close()
+        child.join(timeout=5.0)
+        if child.is_alive():
+            child.kill()
+
+
+def _send_sample_bytes(dataset: Dataset, send: Any) -> None:
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    sizes: list[int] = []
+    try:
+        apply_to_collection(dataset[0], torch.Tensor, lambda t: sizes.append(t.nelement() * t.element_size()))
+    except Exception:  # the user's error belongs to the fit, with its own traceback
+        sizes = []
+    send.send(sum(sizes) if sizes else None)
+    send.close()
 
 
 def loader_config_of(loader: DataLoader) -> LoaderConfig:

@@ -409,3 +409,24 @@ def test_a_fit_resumed_mid_epoch_with_another_worker_count_sees_every_remaining_
     assert sorted(epoch_1) == list(range(80))  # the rest of the epoch, no sample twice, none missed
     assert first.train_indices[1] == first.train_indices[1][:28] and len(resumed.train_indices[0]) == 52
     assert sorted(resumed.train_indices[1]) == list(range(80))  # the next epoch is a whole one
+
+
+def test_checking_the_start_config_never_opens_the_dataset_in_the_training_process(trainer_kwargs):
+    class LazyHandle(SleepyDataset):
+        opened_in = None  # like an HDF5/LMDB handle, opened on first read; unsafe to inherit across fork
+
+        def __getitem__(self, index):
+            if self.opened_in is None:
+                self.opened_in = os.getpid()
+            return super().__getitem__(index)
+
+    class Data(SleepyDataModule):
+        def setup(self, stage):
+            super().setup(stage)
+            self.train_dataset = LazyHandle(16)
+
+    dm = Data(batch_size=4, num_workers=1, val_length=4)
+    tuner = DataLoaderTuner(verbose=False, first_decision_after=0)
+    pl.Trainer(max_epochs=1, callbacks=[tuner], **trainer_kwargs).fit(SleepStepModule(), datamodule=dm)
+    assert dm.train_dataset.opened_in is None  # read only in workers (and in a throwaway child)
+    assert dm.estimate_batch_bytes() == 4 * 8 * 4  # 8 float32 a sample (the index is a Python int)
