@@ -1,4 +1,4 @@
-"""DataLoaders that can see inside themselves, and changing a live loader's workers in place.
+"""DataLoaders that can see inside themselves, resume mid-epoch, and carry out a loader switch.
 
 A :class:`TunedDataLoader` is a plain :class:`~torch.utils.data.DataLoader` (Lightning may re-create
 it, e.g. to inject a ``DistributedSampler``) whose iterator reports to a fetch recorder:
@@ -7,7 +7,11 @@ it, e.g. to inject a ``DistributedSampler``) whose iterator reports to a fetch r
   (batches the workers finished minus batches the loop took), so a stall is exact;
 - the start-up of every iterator (workers starting and the first batch), apart from fetch waits;
 - inside the workers, the wall and CPU time to produce each batch (samples plus collate), written
-  to a small shared-memory array: what a worker costs per batch, measured where it is spent.
+  to a small shared-memory array: what a worker costs per batch, measured where it is spent (for an
+  iterable dataset, batches are counted, not timed).
+
+Its workers change only through a :class:`~lightning_dltune.switch.LoaderSwitch`; its training
+position and sampler order go into Lightning's checkpoints (``state_dict`` / ``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -20,14 +24,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lightning_dltune.config import LoaderConfig
-from lightning_dltune.switch import LoaderSwitch, SwitchState
+from lightning_dltune.switch import LoaderSwitch, SwitchState, loader_config_of, reconfigure
 from lightning_dltune.torch_internals import (
     IndexSamplerHook,
     RestOfEpoch,
     index_sampler_of,
     iterate_over,
     replay_order,
-    set_persistent_workers,
     shutdown_workers,
 )
 
@@ -293,32 +296,6 @@ def _send_sample_bytes(dataset: Dataset, send: Any) -> None:
         sizes = []
     send.send(sum(sizes) if sizes else None)
     send.close()
-
-
-def loader_config_of(loader: DataLoader) -> LoaderConfig:
-    """The :class:`LoaderConfig` a live loader runs with."""
-    return LoaderConfig(
-        num_workers=loader.num_workers,
-        prefetch_factor=loader.prefetch_factor or 2,
-        pin_memory=bool(loader.pin_memory),
-        persistent_workers=bool(loader.persistent_workers),
-    )
-
-
-def reconfigure(loader: DataLoader, config: LoaderConfig, multiprocessing_context: Any = None) -> None:
-    """Change a live loader's workers/prefetch/pinning in place; its next ``iter()`` starts the new workers.
-
-    The old persistent workers are shut down first. Dataset, sampler, batch size and ``drop_last``
-    are untouched, so Lightning's own loader (with its injected ``DistributedSampler``) stays valid.
-    """
-    shutdown_workers(loader)
-    kwargs = config.dataloader_kwargs()
-    loader.num_workers = kwargs["num_workers"]
-    loader.prefetch_factor = kwargs["prefetch_factor"]
-    loader.pin_memory = kwargs["pin_memory"]
-    set_persistent_workers(loader, kwargs["persistent_workers"])
-    if multiprocessing_context is not None and config.num_workers > 0 and loader.multiprocessing_context is None:
-        loader.multiprocessing_context = multiprocessing_context
 
 
 def build_loader(

@@ -27,7 +27,9 @@ from lightning_dltune.torch_internals import (
     iterate_over,
     mute_worker_deaths,
     outstanding_tasks,
+    set_persistent_workers,
     shutdown_iterator,
+    shutdown_workers,
     take_sampler_rest,
     unmute_worker_deaths,
 )
@@ -164,8 +166,6 @@ class LoaderSwitch:
         self.state = SwitchState.ROLLED_BACK
         self.error = exc
         self._detach()
-        from lightning_dltune.loader import reconfigure
-
         reconfigure(self.loader, self.fallback)
         if self.on_rollback is not None:
             self.on_rollback(self, exc)
@@ -175,8 +175,6 @@ class LoaderSwitch:
 
     # -- internals ------------------------------------------------------------------------------
     def _start(self) -> None:
-        from lightning_dltune.loader import loader_config_of, reconfigure
-
         if loader_config_of(self.loader).dataloader_kwargs() != self.target.dataloader_kwargs():
             reconfigure(self.loader, self.target, self.multiprocessing_context)
         self.state = SwitchState.STARTED
@@ -196,3 +194,29 @@ class LoaderSwitch:
 
     def __repr__(self) -> str:
         return f"LoaderSwitch({self.state.value}: {self.target.short()}, fallback {self.fallback})"
+
+
+def loader_config_of(loader: DataLoader) -> LoaderConfig:
+    """The :class:`LoaderConfig` a live loader runs with."""
+    return LoaderConfig(
+        num_workers=loader.num_workers,
+        prefetch_factor=loader.prefetch_factor or 2,
+        pin_memory=bool(loader.pin_memory),
+        persistent_workers=bool(loader.persistent_workers),
+    )
+
+
+def reconfigure(loader: DataLoader, config: LoaderConfig, multiprocessing_context: Any = None) -> None:
+    """Change a live loader's workers/prefetch/pinning in place; its next ``iter()`` starts the new workers.
+
+    The old persistent workers are shut down first. Dataset, sampler, batch size and ``drop_last``
+    are untouched, so Lightning's own loader (with its injected ``DistributedSampler``) stays valid.
+    """
+    shutdown_workers(loader)
+    kwargs = config.dataloader_kwargs()
+    loader.num_workers = kwargs["num_workers"]
+    loader.prefetch_factor = kwargs["prefetch_factor"]
+    loader.pin_memory = kwargs["pin_memory"]
+    set_persistent_workers(loader, kwargs["persistent_workers"])
+    if multiprocessing_context is not None and config.num_workers > 0 and loader.multiprocessing_context is None:
+        loader.multiprocessing_context = multiprocessing_context
