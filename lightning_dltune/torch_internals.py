@@ -124,9 +124,22 @@ def _generators(sampler: Any) -> list[torch.Generator]:
     return found
 
 
+def _epoch_owner(sampler: Any) -> Any:
+    """The (inner) sampler whose order depends on ``set_epoch`` (``DistributedSampler``), or ``None``."""
+    for obj in (sampler, getattr(sampler, "sampler", None)):
+        if callable(getattr(obj, "set_epoch", None)) and isinstance(getattr(obj, "epoch", None), int):
+            return obj
+    return None
+
+
 def capture_order(sampler: Any) -> dict[str, Any]:
-    """The RNG states an epoch of ``sampler`` draws its order from (taken before its first draw)."""
-    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in _generators(sampler)]}
+    """The RNG states (and sampler epoch) an epoch of ``sampler`` draws its order from, before its first draw."""
+    owner = _epoch_owner(sampler)
+    return {
+        "torch": torch.get_rng_state(),
+        "generators": [g.get_state() for g in _generators(sampler)],
+        "epoch": owner.epoch if owner is not None else None,
+    }
 
 
 def replay_order(sampler: Any, state: dict[str, Any], skip: int) -> Iterator:
@@ -140,6 +153,9 @@ def replay_order(sampler: Any, state: dict[str, Any], skip: int) -> Iterator:
         torch.set_rng_state(state["torch"])
         for generator, generator_state in zip(_generators(sampler), state["generators"]):
             generator.set_state(generator_state)
+        owner = _epoch_owner(sampler)
+        if owner is not None and state.get("epoch") is not None:
+            owner.set_epoch(state["epoch"])  # a resumed fit creates its iterator before Lightning sets it
         iterator = iter(sampler)
         head = list(itertools.islice(iterator, skip + 1))  # every draw from the restored RNG happens here
     return itertools.chain(head[skip:], iterator)

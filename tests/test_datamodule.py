@@ -430,3 +430,10 @@ def test_checking_the_start_config_never_opens_the_dataset_in_the_training_proce
     pl.Trainer(max_epochs=1, callbacks=[tuner], **trainer_kwargs).fit(SleepStepModule(), datamodule=dm)
     assert dm.train_dataset.opened_in is None  # read only in workers (and in a throwaway child)
     assert dm.estimate_batch_bytes() == 4 * 8 * 4  # 8 float32 a sample (the index is a Python int)
+
+
+def test_bad_switch_arguments_fail_at_once_naming_the_argument():
+    with pytest.raises(TypeError, match="`config` must be a LoaderConfig"):
+        SleepyDataModule().set_loader_config("4 workers")
+    with pytest.raises(TypeError, match="`iterable_shards_by_worker` must be True or False"):
+        SleepyDataModule(iterable_shards_by_worker="yes")
