@@ -218,9 +218,19 @@ class TunedDataLoader(IndexSamplerHook, DataLoader):
     loop_position: Optional[Callable[[], tuple[int, bool]]] = None
     _resume: Optional[dict] = None  # a mid-epoch position loaded from a checkpoint, for the next iter()
 
-    def __init__(self, *args: Any, loop_position: Optional[Callable[[], tuple[int, bool]]] = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        loop_position: Optional[Callable[[], tuple[int, bool]]] = None,
+        worker_timeout: Optional[float] = None,
+        **kwargs: Any,
+    ) -> None:
+        # the user's ``timeout`` applies to workers; torch refuses one without workers
+        self.worker_timeout = kwargs.get("timeout", 0) if worker_timeout is None else worker_timeout
+        if not kwargs.get("num_workers", 0):
+            kwargs["timeout"] = 0
         super().__init__(*args, **kwargs)
-        # an argument, not only an attribute, so a loader Lightning re-creates (DDP's sampler) keeps it
+        # arguments, not only attributes, so a loader Lightning re-creates (DDP's sampler) keeps them
         self.loop_position = loop_position
 
     def state_dict(self) -> dict[str, Any]:

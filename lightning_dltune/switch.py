@@ -27,6 +27,7 @@ from lightning_dltune.torch_internals import (
     iterate_over,
     mute_worker_deaths,
     outstanding_tasks,
+    record_index_batches,
     set_persistent_workers,
     shutdown_iterator,
     shutdown_workers,
@@ -182,12 +183,12 @@ class LoaderSwitch:
             self.state = SwitchState.CONFIRMED  # nothing to go back to: the switch is over once applied
             self._detach()
         else:
-            self.loader._index_recorder = self
+            record_index_batches(self.loader, self)
 
     def _detach(self) -> None:
         if getattr(self.loader, "switch", None) is self:
             self.loader.switch = None
-            self.loader._index_recorder = None
+            record_index_batches(self.loader, None)
 
     def _is_stream(self) -> bool:
         return isinstance(self.loader.dataset, IterableDataset)
@@ -217,6 +218,8 @@ def reconfigure(loader: DataLoader, config: LoaderConfig, multiprocessing_contex
     loader.num_workers = kwargs["num_workers"]
     loader.prefetch_factor = kwargs["prefetch_factor"]
     loader.pin_memory = kwargs["pin_memory"]
+    # torch refuses a timeout without workers; the user's comes back with them
+    loader.timeout = getattr(loader, "worker_timeout", loader.timeout) if config.num_workers > 0 else 0
     set_persistent_workers(loader, kwargs["persistent_workers"])
     if multiprocessing_context is not None and config.num_workers > 0 and loader.multiprocessing_context is None:
         loader.multiprocessing_context = multiprocessing_context

@@ -178,6 +178,11 @@ class RecordingIndexSampler:
         return len(self.sampler)
 
 
+def record_index_batches(loader: DataLoader, recorder: Any) -> None:
+    """From the loader's next iterator on, ``recorder.record(batches)`` sees its index batches; ``None``: off."""
+    loader._index_recorder = recorder  # type: ignore[attr-defined]
+
+
 def index_sampler_of(loader: DataLoader) -> Any:
     """The index sampler torch's iterators draw from (``batch_sampler`` or ``sampler``)."""
     return _BASE_INDEX_SAMPLER.fget(loader)  # type: ignore[union-attr]

@@ -437,3 +437,19 @@ def test_bad_switch_arguments_fail_at_once_naming_the_argument():
         SleepyDataModule().set_loader_config("4 workers")
     with pytest.raises(TypeError, match="`iterable_shards_by_worker` must be True or False"):
         SleepyDataModule(iterable_shards_by_worker="yes")
+
+
+def test_a_loader_timeout_applies_to_workers_and_a_start_without_workers_still_runs(trainer_kwargs):
+    class RecordTimeout(AlternateConfigs):
+        timeouts = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                self.timeouts.append((trainer.train_dataloader.num_workers, trainer.train_dataloader.timeout))
+
+    forcer = RecordTimeout([LoaderConfig(num_workers=0), LoaderConfig(num_workers=1)])
+    model = SleepStepModule(record_indices=True)
+    dm = SleepyDataModule(train_length=16, val_length=4, batch_size=4, num_workers=0, loader_kwargs={"timeout": 30})
+    pl.Trainer(max_epochs=3, callbacks=[forcer], **trainer_kwargs).fit(model, datamodule=dm)
+    assert RecordTimeout.timeouts == [(0, 0), (1, 30), (0, 0)]  # torch refuses a timeout without workers
+    assert [sorted(s) for s in model.train_indices] == [list(range(16))] * 3

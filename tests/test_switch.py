@@ -250,3 +250,21 @@ def test_a_start_config_over_the_dev_shm_budget_is_clamped_before_any_worker_sta
     # train and val workers' batches, plus the one each loop holds, within half the free /dev/shm
     assert workers >= 1 and 2 * (workers * prefetch + 1) * 1 <= 4
     assert result["train"] == [list(range(24))] * 2 and result["val"] == [list(range(6))] * 2
+
+
+class HangsInWorkers(Indices):
+    def __getitem__(self, i):
+        if i == 13 and torch.utils.data.get_worker_info() is not None:
+            import time
+
+            time.sleep(60)  # a worker stuck on a dead mount
+        return i
+
+
+def test_a_worker_that_hangs_during_a_switch_times_out_and_rolls_back_when_the_loader_has_a_timeout():
+    rolled = []
+    loader = build_loader(HangsInWorkers(40), LoaderConfig(num_workers=0), batch_size=4, timeout=2)
+    LoaderSwitch(loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=0),
+                 on_rollback=lambda s, e: rolled.append(str(e)))
+    assert [i for b in loader for i in b.tolist()] == list(range(40))
+    assert len(rolled) == 1 and "timed out" in rolled[0]
