@@ -293,9 +293,6 @@ class TunableDataModule:
         rebuilt = 0
         for loader in self.live_loaders():
             if _runs_with(loader, target):
-                fallback = self._fallback_for(target) if loader.switch is None else None
-                if fallback is not None:  # a loader Lightning re-created (DDP's sampler): protect it too
-                    self._start_switch(loader, target, fallback, pending=False)
                 continue
             # a loader's own config forgets persistence at 0 workers: keep the module's choice
             fallback = self._last_good_config or loader_config_of(loader).replace(

@@ -81,7 +81,7 @@ class LoaderSwitch:
         self.error: Optional[BaseException] = None
         self.delivered = 0
         self._rest: Optional[Iterator] = None  # the epoch's rest while old workers drain
-        self._drawn: list = []  # index batches handed to the new workers, in the order drawn
+        self._drawn: Optional[list] = None  # index batches handed to the new workers, in the order drawn
         previous = getattr(loader, "switch", None)
         if previous is not None:
             previous._detach()  # superseded: this switch owns the loader now
@@ -147,7 +147,8 @@ class LoaderSwitch:
         """After ``exc`` from a started switch's loader: an iterator of ``fallback`` over what is left.
 
         ``None`` when ``exc`` must reach the user: it is not a machinery failure, there is no fallback,
-        or a stream (an iterable dataset) already delivered batches and cannot be resumed.
+        a stream (an iterable dataset) already delivered batches and cannot be resumed, or the iterator
+        was not started by this switch (the batches its workers held are unknown).
         """
         if self.state is not SwitchState.STARTED or self.fallback is None or not is_machinery_failure(exc):
             return None
@@ -156,6 +157,8 @@ class LoaderSwitch:
             return None
         held: list = []
         if iterator is not None:
+            if self._drawn is None:
+                return None  # an iterator started before this switch: what its workers held is unknown
             tasks = outstanding_tasks(iterator)
             if tasks is None or getattr(self.loader, "in_order", True):
                 held = self._drawn[yielded:]
