@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -161,8 +162,9 @@ def run_with_small_shm(script: str, shm: str = "8m", timeout: float = 300) -> di
     """Runs ``script`` in a private mount namespace whose /dev/shm is a ``shm`` tmpfs; returns its JSON."""
     command = f"mount -t tmpfs -o size={shm} tmpfs /dev/shm && exec {sys.executable} -c \"$SCRIPT\""
     env = {**os.environ, "SCRIPT": textwrap.dedent(script), "PYTHONPATH": HERE}
-    done = subprocess.run(["unshare", "-m", "sh", "-c", command], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    with tempfile.TemporaryDirectory() as cwd:  # whatever the fit writes stays out of the checkout
+        done = subprocess.run(["unshare", "-m", "sh", "-c", command], capture_output=True, text=True, env=env,
+                              timeout=timeout, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
