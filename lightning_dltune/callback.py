@@ -28,6 +28,7 @@ from lightning_dltune.report import epoch_line, recommend, summary_table, write_
 from lightning_dltune.resources import rank_budget
 from lightning_dltune.stats import UtilSource, WindowStats, from_dict, to_dict
 from lightning_dltune.tensorboard import custom_scalars_layout, tag
+from lightning_dltune.torch_internals import describe_failure
 
 UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
 
@@ -241,8 +242,12 @@ class DataLoaderTuner(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._datamodule is not None and self.tune:
+            self._datamodule.enable_rollback(self._on_rebuild_failure)
             if self._restored_config is not None:
                 self._datamodule.set_loader_config(self._restored_config)
+            held = self._datamodule.held_workers_reason()
+            if held is not None:
+                self._say_once("held-workers", f"[dltune] {held}")
             self._clamp_to_budget(trainer, pl_module)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -419,6 +424,7 @@ class DataLoaderTuner(Callback):
             "config": current.as_dict() if current is not None else None,
             "rebuilds": self.rebuilds,
             "history": [_record_to_dict(r) for r in self.history],
+            "worker_cap": self._worker_cap,
         }
 
     @override
@@ -426,6 +432,7 @@ class DataLoaderTuner(Callback):
         config = state_dict.get("config")
         self._restored_config = LoaderConfig(**config) if config else None
         self.rebuilds = state_dict.get("rebuilds", 0)
+        self._worker_cap = state_dict.get("worker_cap")
         self.history = [_record_from_dict(d) for d in state_dict.get("history", [])]
 
     # ------------------------------------------------------------------ internals
@@ -484,6 +491,9 @@ class DataLoaderTuner(Callback):
             shm_fraction=self.shm_fraction,
         )
         max_workers = local.max_workers if self._worker_cap is None else min(local.max_workers, self._worker_cap)
+        held = self._datamodule.held_workers() if self._datamodule is not None else None
+        if held is not None:  # a stream that does not shard by worker keeps its worker count
+            max_workers = held
         if trainer.world_size <= 1:
             return Budget(max_workers, local.memory_bytes, local.shm_bytes, local.cpus)
         values = torch.tensor(
@@ -494,32 +504,46 @@ class DataLoaderTuner(Callback):
         return Budget(int(w), None if math.isinf(mem) else mem, None if math.isinf(shm) else shm, cpus)
 
     def _clamp_to_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Never start a fit over the worker budget or the prefetch cap: no epoch is spent finding out."""
+        """Never start a fit over the budgets: checked before any loader (train, val, sanity check) starts.
+
+        Prefetched batches are projected from one sample read here (workers x prefetch x batch bytes
+        against free ``/dev/shm`` and memory); prefetch gives way first, then workers.
+        """
         assert self._datamodule is not None
         config = self._datamodule.loader_config
         budget = self._reduce_budget(trainer, pl_module)
-        clamped = config.replace(
-            num_workers=min(config.num_workers, budget.max_workers),
-            prefetch_factor=min(config.prefetch_factor, self.settings.max_prefetch_factor),
-        )
+        workers = min(config.num_workers, budget.max_workers)
+        prefetch = min(config.prefetch_factor, self.settings.max_prefetch_factor)
+        batch_bytes = self._datamodule.estimate_batch_bytes()
+        limits = [b for b in (budget.shm_bytes, budget.memory_bytes) if b is not None]
+        if workers and batch_bytes and limits:
+            # persistent train and val workers hold their batches at once, plus the one each loop holds
+            loaders = 2 if self._datamodule.val_dataset is not None and config.persistent_workers else 1
+            per_loader = int(min(limits) // (batch_bytes * (2 if config.pin_memory else 1))) // loaders - 1
+            if workers * prefetch > per_loader:
+                prefetch = max(1, per_loader // workers) if per_loader >= workers else 1
+                workers = max(0, min(workers, per_loader))
+        clamped = config.replace(num_workers=workers, prefetch_factor=prefetch)
         if clamped != config:
             self._datamodule.set_loader_config(clamped)
             self._say_once(
                 "clamped",
                 f"[dltune] start: {config.short()} passes the budget (at most {budget.max_workers} workers,"
-                f" prefetch {self.settings.max_prefetch_factor}); starting with {clamped.short()}",
+                f" prefetch {self.settings.max_prefetch_factor}, {_mb(min(limits)) if limits else 'unknown'} for"
+                f" prefetched batches of {_mb(batch_bytes) if batch_bytes else 'unknown size'});"
+                f" starting with {self._datamodule.loader_config.short()}",
             )
 
-    def _on_rebuild_failure(self, previous: LoaderConfig, exc: BaseException) -> None:
-        failed = self._config
-        if failed is not None and failed.num_workers > previous.num_workers:
+    def _on_rebuild_failure(self, failed: LoaderConfig, previous: LoaderConfig, exc: BaseException) -> None:
+        """A loader switch rolled back: cap the workers of the budget (saved in checkpoints) and say why."""
+        if failed.num_workers > previous.num_workers:
             # the next attempt may go at most halfway back up to the count that failed
             cap = max(previous.num_workers, (previous.num_workers + failed.num_workers) // 2)
             self._worker_cap = cap if self._worker_cap is None else min(cap, self._worker_cap)
         self._config = previous
         self._say_once(
             "rebuild-failed",
-            f"DataLoaderTuner: the rebuilt loader failed to start ({type(exc).__name__}: {str(exc)[:200]});"
+            f"DataLoaderTuner: the rebuilt loader failed to start ({describe_failure(exc)});"
             f" went back to {previous.short()} and the fit goes on.",
             warn=True,
             all_ranks=True,
@@ -594,6 +618,10 @@ class DataLoaderTuner(Callback):
             rank_zero_warn(message)
         else:
             rank_zero_info(message)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MB"
 
 
 def _or_inf(value: Optional[float]) -> float:

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+import warnings
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_dltune import validation
 from lightning_dltune.config import LoaderConfig
-from lightning_dltune.loader import TunedDataLoader, build_loader, loader_config_of, reconfigure, shutdown_workers
+from lightning_dltune.loader import TunedDataLoader, build_loader, loader_config_of, sample_bytes, shutdown_workers
+from lightning_dltune.switch import LoaderSwitch
+from lightning_dltune.torch_internals import describe_failure
 
 # set by the mixin's own arguments, never through `loader_kwargs`
 _OWNED = ("batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "drop_last",
           "shuffle", "dataset")
+
+# called as on_failure(failed config, config gone back to, exception) after a rollback
+FailureListener = Callable[[LoaderConfig, LoaderConfig, BaseException], None]
 
 
 def _flatten(loaders: Any) -> list:
@@ -43,7 +49,17 @@ class TunableDataModule:
     batch), ``drop_last=False`` for validation (every sample is seen once). When the
     :class:`~lightning_dltune.DataLoaderTuner` picks a new config, the live loaders are rebuilt in
     place at the next epoch start (old workers shut down first), keeping Lightning's sampler,
-    ``DistributedSampler`` included.
+    ``DistributedSampler`` included. Each change is a :class:`~lightning_dltune.switch.LoaderSwitch`:
+    if the loader machinery fails before the new config has delivered a few windows' worth of
+    batches, the loader goes back to the last good config and the batches the dead workers held are
+    loaded again (every sample once); an error raised by your dataset, collate or
+    ``worker_init_fn`` code always reaches you unchanged.
+
+    An :class:`~torch.utils.data.IterableDataset` is kept at the worker count it starts with: a
+    stream that does not split itself across workers (by ``get_worker_info()``) would be replayed
+    once per worker. Pass ``iterable_shards_by_worker=True`` when it does. With workers, torch batches
+    inside each worker, so a training epoch over a stream drops up to ``num_workers x (batch_size - 1)``
+    samples (each worker's last partial batch), not fewer than ``batch_size``.
 
     Args:
         batch_size: samples per batch (train and val).
@@ -56,6 +72,9 @@ class TunableDataModule:
             (``collate_fn``, ``sampler``, ``worker_init_fn``, ``generator``, ``multiprocessing_context``,
             ``timeout``, ...). Override :meth:`train_loader_kwargs` / :meth:`val_loader_kwargs` for
             per-stage values.
+        iterable_shards_by_worker: an iterable train or val dataset splits its stream across workers,
+            so the tuner may change the worker count. ``False`` (default): the worker count of a
+            module with an iterable dataset stays as given; prefetch is still tuned.
 
     Raises:
         ValueError: for a negative ``num_workers``, ``batch_size < 1``, ``prefetch_factor < 1``, a
@@ -88,6 +107,7 @@ class TunableDataModule:
         persistent_workers: Optional[bool] = None,
         shuffle: bool = True,
         loader_kwargs: Optional[dict[str, Any]] = None,
+        iterable_shards_by_worker: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -95,6 +115,7 @@ class TunableDataModule:
         validation.flag("pin_memory", pin_memory, optional=True)
         validation.flag("persistent_workers", persistent_workers, optional=True)
         validation.flag("shuffle", shuffle)
+        validation.flag("iterable_shards_by_worker", iterable_shards_by_worker)
         loader_kwargs = validation.dataloader_kwargs("loader_kwargs", loader_kwargs, owned=_OWNED)
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -107,9 +128,12 @@ class TunableDataModule:
             pin_memory=bool(pin_memory),
             persistent_workers=True if persistent_workers is None else persistent_workers,
         )
+        self.iterable_shards_by_worker = iterable_shards_by_worker
+        self._start_workers = num_workers
         self._pin_resolved = pin_memory is not None
         self._built: list[TunedDataLoader] = []
         self._last_good_config: Optional[LoaderConfig] = None
+        self._on_failure: Optional[FailureListener] = None  # set by enable_rollback()
 
     # -- config ---------------------------------------------------------------------------------
     @property
@@ -121,12 +145,45 @@ class TunableDataModule:
     def set_loader_config(self, config: LoaderConfig) -> None:
         """Use ``config`` from now on; live loaders follow at :meth:`rebuild_loaders`.
 
+        With an iterable dataset that does not shard by worker, the worker count stays as it started.
+
         Raises:
             TypeError: if ``config`` is not a :class:`~lightning_dltune.LoaderConfig`.
         """
         validation.instance("config", config, LoaderConfig, "a LoaderConfig, e.g. LoaderConfig(num_workers=4)")
         self._resolve_pin_memory()
-        self._loader_config = config
+        held = self.held_workers()
+        self._loader_config = config if held is None else config.replace(num_workers=held)
+
+    def held_workers(self) -> Optional[int]:
+        """The worker count the loaders must keep (an iterable dataset that may not shard), or ``None``."""
+        if self.iterable_shards_by_worker:
+            return None
+        streams = [d for d in (self.train_dataset, self.val_dataset) if isinstance(d, IterableDataset)]
+        return self._start_workers if streams else None
+
+    def held_workers_reason(self) -> Optional[str]:
+        """Why the worker count is held, in a sentence for the console; ``None`` when it is not."""
+        held = self.held_workers()
+        if held is None:
+            return None
+        return (
+            f"{type(self).__name__} has an IterableDataset: holding num_workers={held}, since each worker"
+            " would replay a stream that does not split itself by worker; prefetch is still tuned. Pass"
+            " iterable_shards_by_worker=True if the dataset splits its stream by get_worker_info()."
+        )
+
+    def estimate_batch_bytes(self) -> Optional[int]:
+        """Tensor bytes of one training batch, from one sample (map-style datasets only; else ``None``).
+
+        The sample is read in a forked child process, so a dataset that opens files or handles lazily
+        (HDF5, LMDB) does not open them in the training process before its workers fork.
+        """
+        dataset = self.train_dataset
+        if dataset is None or isinstance(dataset, IterableDataset):
+            return None
+        nbytes = sample_bytes(dataset)
+        return nbytes * self.batch_size if nbytes else None
 
     def _resolve_pin_memory(self) -> None:
         if self._pin_resolved:
@@ -150,16 +207,36 @@ class TunableDataModule:
 
     def build_loader(self, dataset: Dataset, train: bool, **kwargs: Any) -> TunedDataLoader:
         """A loader for ``dataset`` from the current config (``drop_last`` = ``train``)."""
+        config = self.loader_config
         loader = build_loader(
             dataset,
-            self.loader_config,
+            config,
             batch_size=self.batch_size,
             shuffle=self.shuffle and train,
             drop_last=train,
+            loop_position=self._training_loop_position if train else None,
             **kwargs,
         )
+        fallback = self._fallback_for(config)
+        if fallback is not None:  # a config not yet proven: its first batches may still roll back
+            self._start_switch(loader, config, fallback, pending=False)
         self._built = self._built[-3:] + [loader]
         return loader
+
+    def _training_loop_position(self) -> tuple[int, bool]:
+        """(batches the fit loop took this epoch, whether its epoch is done), for mid-epoch resume."""
+        trainer = self.trainer
+        taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return taken, taken >= trainer.num_training_batches
+
+    def _fallback_for(self, config: LoaderConfig) -> Optional[LoaderConfig]:
+        if self._on_failure is None or config == self._last_good_config:
+            return None
+        if self._last_good_config is not None:
+            return self._last_good_config
+        if config.num_workers == 0 or self.held_workers() is not None:
+            return None
+        return config.replace(num_workers=0)  # the start config: loading in the training process always works
 
     def train_dataloader(self) -> TunedDataLoader:
         if self.train_dataset is None:
@@ -184,6 +261,7 @@ class TunableDataModule:
         for loader in _flatten(live(trainer)):
             if isinstance(loader, TunedDataLoader):
                 shutdown_workers(loader)
+                loader.switch = None
 
     def live_loaders(self) -> list[TunedDataLoader]:
         """The tunable loaders Lightning currently iterates (train and val)."""
@@ -197,62 +275,85 @@ class TunableDataModule:
         """The current config ran an epoch: it is what a failed rebuild goes back to."""
         self._last_good_config = self.loader_config
 
-    def rebuild_loaders(
-        self, on_failure: Optional[Callable[[LoaderConfig, BaseException], None]] = None
-    ) -> int:
-        """Bring the live loaders to :attr:`loader_config`; returns how many were rebuilt.
+    def enable_rollback(self, on_failure: Optional[FailureListener] = None) -> None:
+        """From now on, a loader change the machinery cannot run goes back instead of failing the fit.
 
-        Each rebuilt loader keeps its previous config as a fallback until its new workers deliver
-        their first batch: if they die or cannot start (out of memory, ``/dev/shm`` full), the loader
-        goes back to it and ``on_failure(previous_config, exception)`` is called.
+        Loaders built afterwards with a config not yet proven (the start config included, which then
+        falls back to ``num_workers=0``) are protected too. ``on_failure(failed, restored, exception)``
+        is called after each rollback; without it, the module warns.
         """
+        self._on_failure = on_failure if on_failure is not None else _warn_rollback
+
+    def rebuild_loaders(self, on_failure: Optional[FailureListener] = None) -> int:
+        """Bring the live loaders (train and val) to :attr:`loader_config`; returns how many were rebuilt.
+
+        Each rebuilt loader keeps the last good config as its fallback until its new workers have
+        delivered a few windows' worth of batches (see :class:`~lightning_dltune.switch.LoaderSwitch`).
+        """
+        if on_failure is not None or self._on_failure is None:
+            self.enable_rollback(on_failure)
         target = self.loader_config
-        mp_context = self.loader_kwargs.get("multiprocessing_context")
         rebuilt = 0
         for loader in self.live_loaders():
             if _runs_with(loader, target):
                 continue
-            previous = self._last_good_config or loader_config_of(loader)
-            reconfigure(loader, target, mp_context)
-            loader.dltune_fallback = (previous, self._fallback_notifier(on_failure))
+            # a loader's own config forgets persistence at 0 workers: keep the module's choice
+            fallback = self._last_good_config or loader_config_of(loader).replace(
+                persistent_workers=target.persistent_workers
+            )
+            self._start_switch(loader, target, fallback if fallback != target else None, pending=False)
             rebuilt += 1
         return rebuilt
 
-    def switch_train_loaders(
-        self, config: LoaderConfig, on_failure: Optional[Callable[[LoaderConfig, BaseException], None]] = None
-    ) -> int:
+    def switch_train_loaders(self, config: LoaderConfig, on_failure: Optional[FailureListener] = None) -> int:
         """Move the live training loaders to ``config`` now, in the middle of an epoch; returns how many.
 
         Each loader stops handing out new work to its workers; once the batches they already hold are
         taken, new workers start on the rest of the epoch's sampler order: no batch is lost or repeated.
-        Validation loaders follow at the next :meth:`rebuild_loaders`.
+        Validation loaders switch at their next iteration. An iterable dataset's loader switches at its
+        next epoch (a stream cannot be split).
         """
+        if on_failure is not None or self._on_failure is None:
+            self.enable_rollback(on_failure)
         previous = self.loader_config
         self.set_loader_config(config)
-        trainer = getattr(self, "trainer", None)
+        config = self.loader_config
+        train = _flatten(self.trainer.train_dataloader)
         switched = 0
-        for loader in _flatten(trainer.train_dataloader if trainer is not None else None):
-            if isinstance(loader, TunedDataLoader) and not _runs_with(loader, config):
-                loader.dltune_mp_context = self.loader_kwargs.get("multiprocessing_context")
-                loader.dltune_fallback = (previous, self._fallback_notifier(on_failure))
-                loader.dltune_mid_epoch = True
-                loader.dltune_switch = config
-                switched += 1
+        for loader in self.live_loaders():
+            if not _runs_with(loader, config):
+                self._start_switch(loader, config, self._last_good_config or previous, pending=True)
+                switched += any(loader is t for t in train)
         return switched
 
-    def _fallback_notifier(
-        self, on_failure: Optional[Callable[[LoaderConfig, BaseException], None]]
-    ) -> Callable[[LoaderConfig, BaseException], None]:
-        def notify(previous: LoaderConfig, exc: BaseException) -> None:
-            self.set_loader_config(previous)
-            for loader in self.live_loaders():  # the other live loaders go back too
-                if not _runs_with(loader, previous):
-                    reconfigure(loader, previous)
-                    loader.dltune_fallback = None
-            if on_failure is not None:
-                on_failure(previous, exc)
+    def _start_switch(
+        self, loader: TunedDataLoader, config: LoaderConfig, fallback: Optional[LoaderConfig], pending: bool
+    ) -> LoaderSwitch:
+        return LoaderSwitch(
+            loader,
+            config,
+            fallback,
+            pending=pending,
+            on_rollback=self._rolled_back,
+            on_confirm=self._confirmed,
+            multiprocessing_context=self.loader_kwargs.get("multiprocessing_context"),
+        )
 
-        return notify
+    def _confirmed(self, switch: LoaderSwitch) -> None:
+        if switch.target == self._loader_config:
+            self._last_good_config = switch.target
+
+    def _rolled_back(self, switch: LoaderSwitch, exc: BaseException) -> None:
+        """One loader went back: so do the module's config and every other live loader (train and val)."""
+        restored = switch.fallback
+        assert restored is not None
+        self._loader_config = restored
+        self._last_good_config = restored
+        for loader in self.live_loaders():
+            if loader is not switch.loader and (loader.switch is not None or not _runs_with(loader, restored)):
+                self._start_switch(loader, restored, None, pending=True)  # drains cleanly if mid-epoch
+        listener = self._on_failure or _warn_rollback
+        listener(switch.target, restored, exc)
 
     def teardown(self, stage: str) -> None:
         for loader in self.live_loaders() + self._built:
@@ -260,3 +361,12 @@ class TunableDataModule:
         parent = getattr(super(), "teardown", None)
         if parent is not None:
             parent(stage)
+
+
+def _warn_rollback(failed: LoaderConfig, restored: LoaderConfig, exc: BaseException) -> None:
+    warnings.warn(
+        f"TunableDataModule: the loaders could not run {failed.short()} ({describe_failure(exc)});"
+        f" went back to {restored.short()}.",
+        stacklevel=2,
+    )
+

@@ -1,4 +1,4 @@
-"""DataLoaders that can see inside themselves, and changing a live loader's workers in place.
+"""DataLoaders that can see inside themselves, resume mid-epoch, and carry out a loader switch.
 
 A :class:`TunedDataLoader` is a plain :class:`~torch.utils.data.DataLoader` (Lightning may re-create
 it, e.g. to inject a ``DistributedSampler``) whose iterator reports to a fetch recorder:
@@ -7,7 +7,11 @@ it, e.g. to inject a ``DistributedSampler``) whose iterator reports to a fetch r
   (batches the workers finished minus batches the loop took), so a stall is exact;
 - the start-up of every iterator (workers starting and the first batch), apart from fetch waits;
 - inside the workers, the wall and CPU time to produce each batch (samples plus collate), written
-  to a small shared-memory array: what a worker costs per batch, measured where it is spent.
+  to a small shared-memory array: what a worker costs per batch, measured where it is spent (for an
+  iterable dataset, batches are counted, not timed).
+
+Its workers change only through a :class:`~lightning_dltune.switch.LoaderSwitch`; its training
+position and sampler order go into Lightning's checkpoints (``state_dict`` / ``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -16,12 +20,24 @@ import multiprocessing
 import time
 from typing import Any, Callable, Iterator, Optional, Protocol
 
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lightning_dltune.config import LoaderConfig
+from lightning_dltune.switch import LoaderSwitch, SwitchState, loader_config_of, reconfigure
+from lightning_dltune.torch_internals import (
+    IndexSamplerHook,
+    RestOfEpoch,
+    index_sampler_of,
+    iterate_over,
+    replay_order,
+    shutdown_workers,
+)
+
+__all__ = ["TunedDataLoader", "build_loader", "loader_config_of", "reconfigure", "sample_bytes", "shutdown_workers"]
 
 _SLOTS = 1024  # worker slots in the shared counters (slot 0: the training process)
-_FIELDS = 3  # batches, wall seconds, cpu seconds
+_FIELDS = 4  # batches made, batches timed, wall seconds, cpu seconds
 
 
 class FetchRecorder(Protocol):
@@ -39,13 +55,16 @@ class ProductionCounters:
     def __init__(self) -> None:
         self._array = multiprocessing.RawArray("d", _FIELDS * _SLOTS)
 
-    def add(self, wall_s: float, cpu_s: float) -> None:
+    def add(self, wall_s: Optional[float] = None, cpu_s: float = 0.0) -> None:
+        """One batch made in this process; ``wall_s`` ``None``: its production was not timed."""
         info = get_worker_info()
         base = _FIELDS * ((info.id + 1) % _SLOTS if info is not None else 0)
         arr = self._array
         arr[base] += 1.0
-        arr[base + 1] += wall_s
-        arr[base + 2] += cpu_s
+        if wall_s is not None:
+            arr[base + 1] += 1.0
+            arr[base + 2] += wall_s
+            arr[base + 3] += cpu_s
 
     def produced(self, num_workers: int) -> float:
         """Batches produced so far by the training process and workers ``0..num_workers-1``."""
@@ -56,9 +75,9 @@ class ProductionCounters:
         return total
 
     def totals(self) -> tuple[float, float, float]:
-        """(batches, wall seconds, cpu seconds) summed over all slots."""
+        """(timed batches, wall seconds, cpu seconds) summed over all slots."""
         arr = self._array
-        return (sum(arr[0::_FIELDS]), sum(arr[1::_FIELDS]), sum(arr[2::_FIELDS]))
+        return (sum(arr[1::_FIELDS]), sum(arr[2::_FIELDS]), sum(arr[3::_FIELDS]))
 
 
 # Start of the batch being produced in this process (workers produce one batch at a time).
@@ -112,32 +131,23 @@ class TimedCollate:
             wall0, cpu0 = _batch_started
             _batch_started = None
             self.counters.add(time.perf_counter() - wall0, time.thread_time() - cpu0)
+        else:  # an iterable dataset's batch: counted (exact queue depth), not timed
+            self.counters.add()
         return batch
 
 
 def counters_of(loader: DataLoader) -> Optional[ProductionCounters]:
-    dataset = loader.dataset
-    return dataset.counters if isinstance(dataset, ProbedDataset) else None
-
-
-def _is_worker_failure(exc: BaseException) -> bool:
-    """Workers died or could not start (killed, out of memory, /dev/shm full); never a dataset error."""
-    message = str(exc)
-    if "Original Traceback" in message:  # an exception from the user's dataset, re-raised by torch
-        return False
-    if isinstance(exc, (MemoryError, OSError)):
-        return True
-    return isinstance(exc, RuntimeError) and any(
-        s in message for s in ("exited unexpectedly", "killed by signal", "shared memory", "shm", "Too many open files")
-    )
+    collate = loader.collate_fn
+    return collate.counters if isinstance(collate, TimedCollate) else None
 
 
 class _ProbedIterator(Iterator):
+    """Reports each fetch of a torch iterator, and carries out the loader's switch when it has one."""
+
     def __init__(self, loader: TunedDataLoader, iterator: Iterator, started: float) -> None:
         self._loader = loader
         self._counters = counters_of(loader)
-        self._switch_to: Optional[LoaderConfig] = None
-        self._remaining: Optional[Iterator] = None  # the sampler's rest of the epoch, during a switch
+        self._draining: Optional[LoaderSwitch] = None  # a pending switch waiting for the old workers
         self._use(iterator, started)
 
     def _use(self, iterator: Iterator, started: float) -> None:
@@ -147,6 +157,9 @@ class _ProbedIterator(Iterator):
         self._workers = self._loader.num_workers
         self._baseline = self._counters.produced(self._workers) if self._counters is not None else 0.0
         self._consumed = 0
+        switch = self._loader.switch
+        if switch is not None:
+            switch.watch(iterator)
 
     def _ready(self) -> int:
         if self._counters is None:
@@ -156,168 +169,143 @@ class _ProbedIterator(Iterator):
         return max(0, int(self._counters.produced(self._workers) - self._baseline) - self._consumed)
 
     def __next__(self) -> Any:
-        if self._loader.dltune_switch is not None:
-            self._begin_switch()
+        switch = self._loader.switch
+        if switch is not None and switch.state is SwitchState.PENDING and self._draining is None:
+            if switch.begin_drain(self._it):
+                self._draining = switch
         recorder = self._loader.fetch_recorder
-        if self._first:
-            batch = self._first_batch()
-            if recorder is not None:
-                recorder.record_startup(time.perf_counter() - self._started)
-            return batch
-        ready = self._ready() if recorder is not None else -1
+        ready = self._ready() if recorder is not None and not self._first else -1
         t0 = time.perf_counter()
         try:
             batch = next(self._it)
         except StopIteration:
-            self._start_switched()  # or the epoch really ended
-            return self.__next__()  # the new workers' first batch: start-up, not fetch wait
-        if recorder is not None:
-            recorder.record_fetch(time.perf_counter() - t0, ready)
-        self._consumed += 1
-        return batch
-
-    def _begin_switch(self) -> None:
-        """Stop feeding the old workers; once their queued batches are taken, new ones take over."""
-        self._switch_to, self._loader.dltune_switch = self._loader.dltune_switch, None
-        sampler_iter = getattr(self._it, "_sampler_iter", None)
-        if sampler_iter is None:  # not a torch iterator we can split: switch at the next epoch instead
-            self._switch_to = None
-            return
-        self._remaining = sampler_iter
-        self._it._sampler_iter = iter(())
-
-    def _start_switched(self) -> None:
-        """The old workers delivered all they were given: new ones take the rest of the epoch."""
-        if self._switch_to is None:
-            raise StopIteration
-        config, remaining = self._switch_to, self._remaining
-        self._switch_to = self._remaining = None
-        reconfigure(self._loader, config, self._loader.dltune_mp_context)
-        started = time.perf_counter()
-        self._use(self._loader._iter_remaining(remaining), started)
-
-    def _first_batch(self) -> Any:
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            self._start_switched()  # or the epoch really ended
-            return self._first_batch()
+            if self._draining is None:
+                raise  # the epoch really ended
+            draining, self._draining = self._draining, None
+            self._use(draining.start_rest(), time.perf_counter())  # new workers' first batch: start-up
+            return self.__next__()
         except Exception as exc:
-            fallback = self._loader.dltune_fallback
-            if fallback is None or not _is_worker_failure(exc):
+            recovered = switch.recover(exc, self._it, self._consumed) if switch is not None else None
+            if recovered is None:
                 raise
-            shutdown = getattr(self._it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            remaining = getattr(self._it, "_sampler_iter", None) if self._loader.dltune_mid_epoch else None
-            self._use(self._loader._roll_back(fallback, exc, remaining), self._started)
-            batch = next(self._it)
+            self._use(recovered, self._started)
+            return self.__next__()
+        if recorder is not None:
+            if self._first:
+                recorder.record_startup(time.perf_counter() - self._started)
+            else:
+                recorder.record_fetch(time.perf_counter() - t0, ready)
         self._first = False
-        self._consumed = 1
-        self._loader.dltune_fallback = None  # this config started: it is the new last good one
-        self._loader.dltune_mid_epoch = False
+        self._consumed += 1
+        if switch is not None and switch.state is SwitchState.STARTED:
+            switch.batch_delivered(self._it)
         return batch
 
 
-class _Remaining:
-    """Stands in for a sampler: its iteration is what an interrupted iteration had left."""
-
-    def __init__(self, iterator: Iterator) -> None:
-        self._iterator = iterator
-
-    def __iter__(self) -> Iterator:
-        return self._iterator
-
-
-class TunedDataLoader(DataLoader):
+class TunedDataLoader(IndexSamplerHook, DataLoader):
     """A :class:`~torch.utils.data.DataLoader` that reports fetch waits, exact stalls and worker cost.
 
     It takes exactly DataLoader's arguments. Build it with :func:`build_loader` to get worker-side
     timing (a map-style dataset is wrapped in :class:`ProbedDataset`). Reports go to
     ``fetch_recorder`` when one is set (the :class:`~lightning_dltune.DataLoaderTuner` sets it on the
-    training loaders); otherwise the iterator adds nothing but one attribute read per batch.
+    training loaders); otherwise the iterator adds nothing but two attribute reads per batch.
+    Its workers change only through a :class:`~lightning_dltune.switch.LoaderSwitch` (``switch``).
     """
 
     fetch_recorder: Optional[FetchRecorder] = None
-    # (last good config, callback) while a rebuilt loader has not yet delivered its first batch
-    dltune_fallback: Optional[tuple[LoaderConfig, Callable[[LoaderConfig, BaseException], None]]] = None
-    # a config to switch to in the middle of the epoch, without losing or repeating a batch
-    dltune_switch: Optional[LoaderConfig] = None
-    dltune_mid_epoch: bool = False
-    dltune_mp_context: Any = None  # the multiprocessing context to use once workers are added
+    switch: Optional[LoaderSwitch] = None  # the change in progress, from its start to its end
+    # (batches the training loop took this epoch, whether the epoch is done): set for a training loader
+    loop_position: Optional[Callable[[], tuple[int, bool]]] = None
+    _resume: Optional[dict] = None  # a mid-epoch position loaded from a checkpoint, for the next iter()
 
-    @property
-    def _index_sampler(self) -> Any:
-        resume = self.__dict__.get("_dltune_resume")
-        return resume if resume is not None else DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+    def __init__(
+        self,
+        *args: Any,
+        loop_position: Optional[Callable[[], tuple[int, bool]]] = None,
+        worker_timeout: Optional[float] = None,
+        **kwargs: Any,
+    ) -> None:
+        # the user's ``timeout`` applies to workers; torch refuses one without workers
+        self.worker_timeout = kwargs.get("timeout", 0) if worker_timeout is None else worker_timeout
+        if not kwargs.get("num_workers", 0):
+            kwargs["timeout"] = 0
+        super().__init__(*args, **kwargs)
+        # arguments, not only attributes, so a loader Lightning re-creates (DDP's sampler) keeps them
+        self.loop_position = loop_position
 
-    def _iter_remaining(self, remaining: Iterator) -> Iterator:
-        """A torch iterator over what is left of ``remaining`` (the sampler's iteration of this epoch)."""
-        self._dltune_resume = _Remaining(remaining)
-        try:
-            iterator = DataLoader.__iter__(self)
-        finally:
-            self._dltune_resume = None
-        # a persistent iterator starts its next epochs from the loader's whole sampler again
-        iterator._index_sampler = DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
-        return iterator
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training loop is in this epoch, and what replays the epoch's sampler order.
+
+        Lightning saves it in checkpoints; :meth:`load_state_dict` resumes the epoch with every remaining
+        sample exactly once, whatever the worker count of the resumed fit. Empty for a stream
+        (an ``IterableDataset`` cannot be replayed) or a loader outside a fit.
+        """
+        if self.loop_position is None or self.order_state is None or isinstance(self.dataset, IterableDataset):
+            return {}
+        taken, done = self.loop_position()
+        return {"order": self.order_state, "batches_taken": int(taken), "epoch_done": bool(done)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the saved position at the next ``iter()`` (nothing to do after a finished epoch)."""
+        if state_dict and not state_dict.get("epoch_done", True) and state_dict.get("order") is not None:
+            self._resume = state_dict
 
     def __iter__(self) -> Iterator:
         started = time.perf_counter()
+        switch = self.switch
+        if switch is not None and switch.state is SwitchState.PENDING:
+            switch.start_now()  # a new iteration: the switch needs no draining
         try:
-            iterator = super().__iter__()
+            iterator = self._iter_resumed() if self._resume is not None else super().__iter__()
         except Exception as exc:
-            if self.dltune_fallback is None or not _is_worker_failure(exc):
+            recovered = switch.recover(exc, None, 0) if switch is not None else None
+            if recovered is None:
                 raise
-            iterator = self._roll_back(self.dltune_fallback, exc)
+            iterator = recovered
         return _ProbedIterator(self, iterator, started)
 
-    def _roll_back(
-        self, fallback: tuple[LoaderConfig, Callable], exc: BaseException, remaining: Optional[Iterator] = None
-    ) -> Iterator:
-        config, notify = fallback
-        self.dltune_fallback = None
-        reconfigure(self, config)
-        notify(config, exc)
-        # mid-epoch, the rest of the epoch goes on; batches handed to the dead workers are lost
-        return self._iter_remaining(remaining) if remaining is not None else super().__iter__()
+    def _iter_resumed(self) -> Iterator:
+        resume, self._resume = self._resume, None
+        assert resume is not None
+        rest = replay_order(index_sampler_of(self), resume["order"], resume["batches_taken"])
+        self.order_state = resume["order"]  # still this epoch's order, for the next checkpoint
+        return iterate_over(self, RestOfEpoch(rest))
 
 
-def loader_config_of(loader: DataLoader) -> LoaderConfig:
-    """The :class:`LoaderConfig` a live loader runs with."""
-    return LoaderConfig(
-        num_workers=loader.num_workers,
-        prefetch_factor=loader.prefetch_factor or 2,
-        pin_memory=bool(loader.pin_memory),
-        persistent_workers=bool(loader.persistent_workers),
-    )
+def sample_bytes(dataset: Dataset, timeout_s: float = 30.0) -> Optional[int]:
+    """Tensor bytes of ``dataset[0]``, read in a forked child process; ``None`` if it cannot be read.
 
-
-def shutdown_workers(loader: DataLoader) -> None:
-    """Stop a loader's persistent workers now (not whenever the garbage collector gets to them)."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None:
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        loader._iterator = None
-
-
-def reconfigure(loader: DataLoader, config: LoaderConfig, multiprocessing_context: Any = None) -> None:
-    """Change a live loader's workers/prefetch/pinning in place; its next ``iter()`` starts the new workers.
-
-    The old persistent workers are shut down first. Dataset, sampler, batch size and ``drop_last``
-    are untouched, so Lightning's own loader (with its injected ``DistributedSampler``) stays valid.
+    A child, so that a dataset opening files or handles lazily (HDF5, LMDB) does not open them in the
+    training process before its workers fork.
     """
-    shutdown_workers(loader)
-    kwargs = config.dataloader_kwargs()
-    loader.num_workers = kwargs["num_workers"]
-    loader.prefetch_factor = kwargs["prefetch_factor"]
-    loader.pin_memory = kwargs["pin_memory"]
-    # DataLoader forbids setting this attribute after __init__; in place it is safe (read at iter()).
-    object.__setattr__(loader, "persistent_workers", kwargs["persistent_workers"])
-    if multiprocessing_context is not None and config.num_workers > 0 and loader.multiprocessing_context is None:
-        loader.multiprocessing_context = multiprocessing_context
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_send_sample_bytes, args=(dataset, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        return receive.recv() if receive.poll(timeout_s) else None
+    except EOFError:  # the child died; the fit meets the same problem where the user expects it
+        return None
+    finally:
+        receive.close()
+        child.join(timeout=5.0)
+        if child.is_alive():
+            child.kill()
+
+
+def _send_sample_bytes(dataset: Dataset, send: Any) -> None:
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    sizes: list[int] = []
+    try:
+        apply_to_collection(dataset[0], torch.Tensor, lambda t: sizes.append(t.nelement() * t.element_size()))
+    except Exception:  # the user's error belongs to the fit, with its own traceback
+        sizes = []
+    send.send(sum(sizes) if sizes else None)
+    send.close()
 
 
 def build_loader(
@@ -340,9 +328,10 @@ def build_loader(
         shuffle = False
     mp_context = kwargs.pop("multiprocessing_context", None)
     collate = collate_fn if collate_fn is not None else default_collate
-    if not isinstance(dataset, IterableDataset) and batch_size is not None and kwargs.get("batch_sampler") is None:
+    if batch_size is not None and kwargs.get("batch_sampler") is None:
         counters = ProductionCounters()
-        dataset = ProbedDataset(dataset, counters)
+        if not isinstance(dataset, IterableDataset):
+            dataset = ProbedDataset(dataset, counters)
         collate = TimedCollate(collate, counters)
     loader_kwargs = config.dataloader_kwargs()
     if config.num_workers > 0 and mp_context is not None:

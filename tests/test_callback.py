@@ -162,3 +162,17 @@ def test_bad_arguments_raise_at_construction_naming_the_argument(kwargs, names):
 def test_bad_datamodule_arguments_raise_at_construction(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
         SleepyDataModule(**kwargs)
+
+
+def test_the_worker_cap_after_a_failed_switch_is_kept_in_checkpoints_and_older_ones_still_load():
+    from lightning_dltune import LoaderConfig
+
+    tuner = DataLoaderTuner(verbose=False)
+    with pytest.warns(UserWarning, match="went back"):
+        tuner._on_rebuild_failure(LoaderConfig(num_workers=6), LoaderConfig(num_workers=2), RuntimeError("killed"))
+    restored = DataLoaderTuner(verbose=False)
+    restored.load_state_dict(tuner.state_dict())
+    assert restored.state_dict()["worker_cap"] == 4  # at most halfway back up to the count that failed
+    older = DataLoaderTuner(verbose=False)
+    older.load_state_dict({"config": None, "rebuilds": 0, "history": []})  # a checkpoint from before the cap
+    assert older.state_dict()["worker_cap"] is None

@@ -1,10 +1,14 @@
 """TunableDataModule: loaders from the current config, rebuilt in place, nothing lost, nothing leaked."""
 
+import logging
+import os
+import time
 import warnings
 
 import lightning.pytorch as pl
 import psutil
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dltune import DataLoaderTuner, LoaderConfig
@@ -159,3 +163,231 @@ def test_the_first_epoch_switches_loaders_mid_epoch_without_losing_or_repeating_
         assert len(seen) == len(set(seen)) == 248  # each sample at most once, 2 (< batch_size) dropped
     assert sorted(model.val_indices[-1]) == list(range(8))
     assert tuner.rebuilds >= 1
+
+
+# -- iterable datasets -----------------------------------------------------------------------------
+class ReplayingIterable(torch.utils.data.IterableDataset):
+    """A stream written for ``num_workers=0``: every worker would replay all of it."""
+
+    def __init__(self, length=200, batch_cost_s=0.0, batch_size=4):
+        self.length = length
+        self.sample_cost_s = batch_cost_s / batch_size
+
+    def __iter__(self):
+        for i in range(self.length):
+            if self.sample_cost_s:
+                time.sleep(self.sample_cost_s)
+            yield {"x": torch.full((8,), float(i)), "index": i}
+
+
+class ShardedIterable(ReplayingIterable):
+    """The same stream, split across workers by ``get_worker_info()``."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i, sample in enumerate(super().__iter__()):
+            if i % step == start:
+                yield sample
+
+
+class StreamData(SleepyDataModule):
+    def __init__(self, stream=ReplayingIterable, **kwargs):
+        super().__init__(**kwargs)
+        self.stream = stream
+
+    def setup(self, stage):
+        super().setup(stage)
+        self.train_dataset = self.stream(self.train_length, self.batch_cost_s, self.batch_size)
+
+
+def test_an_iterable_dataset_that_does_not_shard_keeps_its_workers_and_each_sample_once(trainer_kwargs, caplog):
+    # data-bound (20 ms a batch against a 2 ms step): the tuner would add workers, which would replay the stream
+    model = SleepStepModule(step_s=0.002, record_indices=True)
+    dm = StreamData(train_length=120, val_length=8, batch_size=4, batch_cost_s=0.02, num_workers=0)
+    tuner = DataLoaderTuner(first_decision_after=0)
+    with caplog.at_level(logging.INFO):
+        pl.Trainer(max_epochs=3, callbacks=[tuner], **trainer_kwargs).fit(model, datamodule=dm)
+    for seen in model.train_indices:
+        assert sorted(seen) == list(range(120))  # each sample once per epoch, never replayed
+    assert [r.config.num_workers for r in tuner.history] == [0, 0, 0]
+    said = [r.getMessage() for r in caplog.records if "iterable_shards_by_worker=True" in r.getMessage()]
+    assert len(said) == 1 and "holding num_workers=0" in said[0]
+
+
+def test_an_iterable_dataset_that_shards_by_worker_is_tuned_and_drops_less_than_a_batch_per_worker(trainer_kwargs):
+    model = SleepStepModule(step_s=0.002, record_indices=True)
+    dm = StreamData(stream=ShardedIterable, train_length=120, val_length=8, batch_size=4, batch_cost_s=0.02,
+                    num_workers=0, iterable_shards_by_worker=True)
+    tuner = DataLoaderTuner(first_decision_after=0, verbose=False, max_workers=3)
+    pl.Trainer(max_epochs=3, callbacks=[tuner], **trainer_kwargs).fit(model, datamodule=dm)
+    assert tuner.history[-1].config.num_workers > 0
+    for seen, record in zip(model.train_indices, tuner.history):
+        workers = record.config.num_workers
+        assert len(seen) == len(set(seen))  # never replayed
+        assert 120 - len(seen) < max(1, workers) * 4  # each worker drops at most its last partial batch
+
+
+# -- the user's errors, with any worker count -----------------------------------------------------
+class FailsInTheTrainingProcess(SleepyDataset):
+    """Loads fine in workers; in the training process (0 workers) it raises the user's ``error``."""
+
+    def __init__(self, length, error):
+        super().__init__(length)
+        self.error = error
+
+    def __getitems__(self, indices):
+        if torch.utils.data.get_worker_info() is None:
+            raise self.error
+        return super().__getitems__(indices)
+
+
+@pytest.mark.parametrize(
+    "error", [FileNotFoundError("/data/shard-7.tar"), MemoryError("decoder"), RuntimeError("my shm cache is full")]
+)
+def test_a_dataset_error_after_a_rebuild_to_no_workers_reaches_the_user_unchanged(trainer_kwargs, error):
+    class Data(SleepyDataModule):
+        def setup(self, stage):
+            super().setup(stage)
+            self.train_dataset = FailsInTheTrainingProcess(16, error)
+
+    forcer = AlternateConfigs([LoaderConfig(num_workers=1), LoaderConfig(num_workers=0)])
+    dm = Data(batch_size=4, num_workers=1, shuffle=False)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[forcer], **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(type(error), match=str(error)) as raised:
+        warnings.simplefilter("always")
+        trainer.fit(SleepStepModule(), datamodule=dm)
+    assert raised.value is error  # the very exception the dataset raised
+    assert trainer.current_epoch == 1 and dm.loader_config.num_workers == 0  # no rollback
+    assert not [w for w in caught if "went back" in str(w.message)]
+
+
+# -- rollbacks: every sample once, nothing skipped -------------------------------------------------
+class KilledFromIndex(SleepyDataset):
+    """Workers are killed (as by the OOM killer) at a batch from ``kill_from`` on when more than ``above`` run."""
+
+    def __init__(self, length, kill_from=0, above=1, batch_cost_s=0.0):
+        super().__init__(length, batch_cost_s=batch_cost_s)
+        self.kill_from = kill_from
+        self.above = above
+
+    def __getitems__(self, indices):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.num_workers > self.above and max(indices) >= self.kill_from:
+            os.kill(os.getpid(), 9)
+        return super().__getitems__(indices)
+
+
+class KilledData(SleepyDataModule):
+    def __init__(self, kill_from=0, above=1, kill_val=False, **kwargs):
+        super().__init__(**kwargs)
+        self.kill = {"kill_from": kill_from, "above": above}
+        self.kill_val = kill_val
+
+    def setup(self, stage):
+        super().setup(stage)
+        self.train_dataset = KilledFromIndex(self.train_length, batch_cost_s=self.batch_cost_s, **self.kill)
+        if self.kill_val:
+            self.val_dataset = KilledFromIndex(self.val_length, **self.kill)
+
+
+def _went_back(caught):
+    return [w for w in caught if "went back" in str(w.message)]
+
+
+def test_a_rebuilt_loader_whose_workers_die_after_its_first_batches_rolls_back_with_every_sample_once(trainer_kwargs):
+    # epoch 1 runs 2 workers, killed from batch 5 on: later than the first batch, within a few windows
+    forcer = AlternateConfigs([LoaderConfig(num_workers=0), LoaderConfig(num_workers=2)])
+    model = SleepStepModule(record_indices=True)
+    dm = KilledData(kill_from=20, train_length=40, val_length=8, batch_size=4, shuffle=False)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[forcer], **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    assert len(_went_back(caught)) == 1
+    assert [sorted(seen) for seen in model.train_indices] == [list(range(40))] * 2
+    assert [sorted(seen) for seen in model.val_indices] == [list(range(8))] * 2
+    assert dm.loader_config.num_workers == 0
+
+
+def test_a_failed_mid_epoch_switch_keeps_the_whole_epoch_and_its_validation(trainer_kwargs):
+    # I/O-bound, so the early decision adds workers mid-epoch; more than one worker is killed
+    model = SleepStepModule(step_s=0.005, record_indices=True)
+    dm = KilledData(train_length=160, val_length=8, batch_size=4, batch_cost_s=0.03, num_workers=0)
+    tuner = DataLoaderTuner(verbose=False, first_decision_after=10, max_workers=4)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    assert tuner.history[0].first_batches == 10 and tuner.history[0].changed
+    assert len(_went_back(caught)) == 1
+    for seen in model.train_indices:
+        assert sorted(seen) == list(range(160))  # full length: the dead workers' batches came again
+    assert [sorted(seen) for seen in model.val_indices] == [list(range(8))] * 2  # validation ran every epoch
+    assert all(r.config.num_workers <= 1 for r in tuner.history[1:])
+
+
+def test_a_start_config_whose_workers_die_falls_back_for_train_val_and_the_sanity_check(trainer_kwargs):
+    model = SleepStepModule(record_indices=True)
+    dm = KilledData(kill_val=True, train_length=32, val_length=8, batch_size=4, num_workers=2)
+    tuner = DataLoaderTuner(verbose=False, first_decision_after=0)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **{**trainer_kwargs, "num_sanity_val_steps": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    assert len(_went_back(caught)) == 1
+    assert [sorted(seen) for seen in model.train_indices] == [list(range(32))] * 2
+    assert [sorted(seen) for seen in model.val_indices] == [list(range(8))] * 2
+    assert tuner.history[0].config.num_workers <= 1
+    assert all(dl.num_workers <= 1 for dl in dm.live_loaders())
+    assert tuner.state_dict()["worker_cap"] == 1  # halfway back up to the count that failed, kept in checkpoints
+
+
+def test_a_mid_epoch_switch_moves_validation_too_in_the_same_epoch(trainer_kwargs):
+    class SwitchAtBatch3(Callback):
+        val_workers = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.current_epoch == 0 and batch_idx == 3:
+                trainer.datamodule.switch_train_loaders(LoaderConfig(num_workers=0))
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            if batch_idx == 0:
+                self.val_workers.append(trainer.val_dataloaders.num_workers)
+
+    model = SleepStepModule(record_indices=True)
+    dm = SleepyDataModule(train_length=32, val_length=8, batch_size=4, num_workers=1)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[SwitchAtBatch3()], **trainer_kwargs)
+    trainer.fit(model, datamodule=dm)
+    assert SwitchAtBatch3.val_workers == [0]  # validation of that epoch already ran the new config
+    assert sorted(model.train_indices[0]) == list(range(32)) and sorted(model.val_indices[0]) == list(range(8))
+
+
+
+
+def test_checking_the_start_config_never_opens_the_dataset_in_the_training_process(trainer_kwargs):
+    class LazyHandle(SleepyDataset):
+        opened_in = None  # like an HDF5/LMDB handle, opened on first read; unsafe to inherit across fork
+
+        def __getitem__(self, index):
+            if self.opened_in is None:
+                self.opened_in = os.getpid()
+            return super().__getitem__(index)
+
+    class Data(SleepyDataModule):
+        def setup(self, stage):
+            super().setup(stage)
+            self.train_dataset = LazyHandle(16)
+
+    dm = Data(batch_size=4, num_workers=1, val_length=4)
+    tuner = DataLoaderTuner(verbose=False, first_decision_after=0)
+    pl.Trainer(max_epochs=1, callbacks=[tuner], **trainer_kwargs).fit(SleepStepModule(), datamodule=dm)
+    assert dm.train_dataset.opened_in is None  # read only in workers (and in a throwaway child)
+    assert dm.estimate_batch_bytes() == 4 * 8 * 4  # 8 float32 a sample (the index is a Python int)
+
+
+def test_bad_switch_arguments_fail_at_once_naming_the_argument():
+    with pytest.raises(TypeError, match="`config` must be a LoaderConfig"):
+        SleepyDataModule().set_loader_config("4 workers")
+    with pytest.raises(TypeError, match="`iterable_shards_by_worker` must be True or False"):
+        SleepyDataModule(iterable_shards_by_worker="yes")

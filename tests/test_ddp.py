@@ -52,3 +52,20 @@ def test_every_rank_applies_the_same_decision(ddp_run):
     assert rank0["live_workers"] == rank1["live_workers"] == [rank0["final_config"]["num_workers"]] * 2
     # the rebuilt loaders are Lightning's own, with the DistributedSampler it injected
     assert rank0["train_sampler"] == rank1["train_sampler"] == "DistributedSampler"
+
+
+def test_a_ddp_fit_resumed_mid_epoch_with_another_worker_count_sees_every_remaining_sample_once(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    for phase, workers in (("first", 2), ("resume", 0)):
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "ddp_resume_fit.py"), str(tmp_path), phase,
+                               str(workers)], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    load = lambda phase, rank: json.load(open(tmp_path / f"{phase}-rank{rank}.json"))  # noqa: E731
+    epoch_1 = []
+    for rank in (0, 1):
+        first, resumed = load("first", rank), load("resume", rank)
+        assert resumed["sampler"] == "DistributedSampler"
+        assert len(first["train"][1]) == 3 * 4 and len(resumed["train"][0]) == 5 * 4  # 8 batches a rank
+        epoch_1 += first["train"][1] + resumed["train"][0]
+    assert sorted(epoch_1) == list(range(64))  # both ranks' shards, every sample once
