@@ -266,8 +266,11 @@ from torch.utils.data import DataLoader
         if self._probe.fetcher_missing:
             self._say_once(trainer, "no-fetcher", "DataLoaderTuner: cannot time fetches with this Lightning version.")
         stats = reduce_across_ranks(trainer.strategy, self._probe.local_stats(), trainer.world_size, pl_module.device)
-        if stats.batches == 0 or stats.fetches == 0:
-            return  # no evidence: a window whose only fetch was the loader's start-up gets no verdict
+        if stats.fetches == 0:  # no evidence: a window whose only fetch was the loader's start-up
+            if stats.batches:
+                self._say_once(trainer, "no-fetch", f"[dltune] a window of {stats.batches} batch(es) had no fetch"
+                               " after the loader's start-up: no verdict; epochs need a few batches to be judged")
+            return
         decision = decide(config, stats, self._budget(trainer, pl_module), self.history, self.settings)
         decision = trainer.strategy.broadcast(decision, src=0)
         record = WindowRecord(trainer.current_epoch, config, stats, decision.verdict, decision.reason,
