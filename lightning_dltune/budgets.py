@@ -67,5 +67,22 @@ def clamp_start(
     return clamp_to_budget(config, batch_bytes, budget, settings)[0]
 
 
+def clamp_datamodule_start(datamodule: Any, budget: Budget, settings: PolicySettings) -> Optional[str]:
+    """Bring a :class:`~lightning_dltune.TunableDataModule`'s start config within ``budget`` before any
+    loader (train, val, sanity check) starts; returns what to tell the user when it was clamped."""
+    config = datamodule.loader_config
+    # persistent train and val workers hold their batches at once
+    loaders = 2 if datamodule.val_dataset is not None and config.persistent_workers else 1
+    batch_bytes = datamodule.estimate_batch_bytes() if config.num_workers else None
+    clamped = clamp_start(config, budget, batch_bytes, loaders, settings)
+    if clamped == config:
+        return None
+    datamodule.set_loader_config(clamped)
+    size = f"{batch_bytes / 2**20:.1f} MB" if batch_bytes else "unknown size"
+    return (f"[dltune] start: {config.short()} passes the budget (at most {budget.max_workers} workers, prefetch"
+            f" {settings.max_prefetch_factor}, memory for prefetched batches of {size}); starting with"
+            f" {datamodule.loader_config.short()}")
+
+
 def _or_inf(value: Optional[float]) -> float:
     return math.inf if value is None else float(value)

@@ -9,22 +9,20 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dltune import validation
-from lightning_dltune.budgets import cap_after_failure, clamp_start, job_budget
+from lightning_dltune.budgets import cap_after_failure, clamp_datamodule_start, job_budget
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.console import Notices, say
-from lightning_dltune.datamodule import TunableDataModule, _flatten
+from lightning_dltune.datamodule import TunableDataModule
 from lightning_dltune.distributed import reduce_across_ranks
 from lightning_dltune.gpu import MODE_SAMPLES
-from lightning_dltune.loader import loader_config_of
-from lightning_dltune.metrics import interval_scalars, window_scalars
+from lightning_dltune.metrics import log_interval, log_window, window_scalars
 from lightning_dltune.policy import decide
 from lightning_dltune.probe import WindowProbe
 from lightning_dltune.records import Budget, PolicySettings, WindowRecord
-from lightning_dltune.report import decision_markdown, epoch_line, recommend, summary_table, write_recommendation
+from lightning_dltune.report import epoch_line, recommend, summary_table, write_recommendation
 from lightning_dltune.stats import UtilSource
 from lightning_dltune.tensorboard import custom_scalars_layout
 from lightning_dltune.torch_internals import describe_failure
@@ -110,7 +108,6 @@ class DataLoaderTuner(Callback):
 
         from lightning import Trainer
         from lightning.pytorch.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader
         from lightning_dltune import DataLoaderTuner
 
         trainer = Trainer(callbacks=[DataLoaderTuner(band=(0.85, 0.95))], logger=TensorBoardLogger("logs"))
@@ -208,7 +205,9 @@ from torch.utils.data import DataLoader
             held = self._datamodule.held_workers_reason()
             if held is not None:
                 self._say_once(trainer, "held-workers", f"[dltune] {held}")
-            self._clamp_start(trainer, pl_module)
+            clamped = clamp_datamodule_start(self._datamodule, self._budget(trainer, pl_module), self.settings)
+            if clamped is not None:
+                self._say_once(trainer, "clamped", clamped)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
@@ -223,8 +222,7 @@ from torch.utils.data import DataLoader
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._tuning:
             self._datamodule.rebuild_loaders(on_failure=self._on_rollback)  # type: ignore[union-attr]
-        hint = self._datamodule.estimate_batch_bytes if self._datamodule is not None else None
-        self._probe.attach(trainer, self._current_config(trainer), bytes_hint=hint)
+        self._probe.attach(trainer, self._datamodule)
         self._decide_at_batch = self._early_decision_batch(trainer)
 
     @override
@@ -297,31 +295,10 @@ from torch.utils.data import DataLoader
             return -1
         return after - 1 if math.isfinite(batches) and batches >= 2 * after else -1
 
-    def _current_config(self, trainer: pl.Trainer) -> Optional[LoaderConfig]:
-        if self._datamodule is not None:
-            return self._datamodule.loader_config
-        loaders = [dl for dl in _flatten(trainer.train_dataloader) if isinstance(dl, DataLoader)]
-        return loader_config_of(loaders[0]) if loaders else (LoaderConfig() if trainer.train_dataloader else None)
-
     def _budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
         held = self._datamodule.held_workers() if self._datamodule is not None else None
         return job_budget(trainer, pl_module.device, self.max_workers, self.memory_fraction, self.shm_fraction,
                           self._worker_cap, held)
-
-    def _clamp_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Never start a fit over the budgets: checked before any loader (train, val, sanity check) starts."""
-        assert self._datamodule is not None
-        config = self._datamodule.loader_config
-        budget = self._budget(trainer, pl_module)
-        # persistent train and val workers hold their batches at once
-        loaders = 2 if self._datamodule.val_dataset is not None and config.persistent_workers else 1
-        batch_bytes = self._datamodule.estimate_batch_bytes() if config.num_workers else None
-        clamped = clamp_start(config, budget, batch_bytes, loaders, self.settings)
-        if clamped != config:
-            self._datamodule.set_loader_config(clamped)
-            self._say_once(trainer, "clamped", f"[dltune] start: {config.short()} passes the budget (at most"
-                           f" {budget.max_workers} workers, prefetch {self.settings.max_prefetch_factor}, memory for"
-                           f" prefetched batches of {_mb(batch_bytes)}); starting with {clamped.short()}")
 
     def _on_rollback(self, failed: LoaderConfig, restored: LoaderConfig, exc: BaseException) -> None:
         """A loader switch rolled back: cap the workers of the budget (saved in checkpoints) and say why."""
@@ -352,25 +329,19 @@ from torch.utils.data import DataLoader
 
     # ------------------------------------------------------------------ logging
     def _log_window(self, trainer: pl.Trainer, record: WindowRecord) -> None:
-        sampler = self._probe.sampler
-        mode = sampler.window_mode if sampler is not None else None
-        metrics = window_scalars(record, self.band, self.rebuilds, None if mode is None else mode == MODE_SAMPLES)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text("dltune/decision", decision_markdown(record, self.tune), trainer.global_step)
+        mode = self._probe.sampler.window_mode if self._probe.sampler is not None else None
+        scalars = window_scalars(record, self.band, self.rebuilds, None if mode is None else mode == MODE_SAMPLES)
+        log_window(trainer, record, scalars, tuning=self.tune)
         if self.verbose:
             say(trainer, epoch_line(record, tuning=self._tuning))
 
     def _log_interval(self, trainer: pl.Trainer) -> None:
-        meter = self._probe.meter
-        if trainer.global_step == self._last_step_logged or meter.interval_batches == 0:
+        if trainer.global_step == self._last_step_logged or self._probe.meter.interval_batches == 0:
             return
         self._last_step_logged = trainer.global_step
         if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(interval_scalars(meter), step=trainer.global_step)
-        meter.reset_interval()
+            log_interval(trainer, self._probe.meter)
+        self._probe.meter.reset_interval()
 
     def _say_once(self, trainer: Any, key: str, text: str, warn: bool = False, all_ranks: bool = False) -> None:
         self._notices.once(trainer, key, text, warn=warn, all_ranks=all_ranks)
@@ -394,6 +365,3 @@ from torch.utils.data import DataLoader
         self._worker_cap = state_dict.get("worker_cap")
         self.history = [WindowRecord.from_dict(d) for d in state_dict.get("history", [])]
 
-
-def _mb(n: Optional[float]) -> str:
-    return f"{n / 2**20:.1f} MB" if n else "unknown size"

@@ -1,11 +1,17 @@
-"""The scalars the tuner logs, by their stable ``dltune/`` names: one set per window, one per step interval."""
+"""The scalars the tuner logs, by their stable ``dltune/`` names: one set per window, one per step interval.
+
+:func:`log_window` and :func:`log_interval` hand them to every logger of the trainer (rank zero calls them).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
+
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_dltune.measurement import WindowMeter
 from lightning_dltune.records import WindowRecord
+from lightning_dltune.report import decision_markdown
 from lightning_dltune.stats import UtilSource
 from lightning_dltune.tensorboard import tag
 
@@ -58,3 +64,18 @@ def interval_scalars(meter: WindowMeter) -> dict[str, float]:
         tag("step/step_ms"): 1e3 * meter.interval_step_s / n,
         tag("step/stalls"): float(meter.interval_stalls),
     }
+
+
+def log_window(trainer: Any, record: WindowRecord, scalars: dict[str, float], tuning: bool) -> None:
+    """A window's scalars to every logger, and its decision as text to TensorBoard (``dltune/decision``)."""
+    for logger in trainer.loggers:
+        logger.log_metrics(scalars, step=trainer.global_step)
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_text("dltune/decision", decision_markdown(record, tuning), trainer.global_step)
+
+
+def log_interval(trainer: Any, meter: WindowMeter) -> None:
+    """The last steps' scalars to every logger."""
+    scalars = interval_scalars(meter)
+    for logger in trainer.loggers:
+        logger.log_metrics(scalars, step=trainer.global_step)

@@ -12,12 +12,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
 
 from lightning_dltune.config import LoaderConfig
-from lightning_dltune.datamodule import _flatten
+from lightning_dltune.datamodule import TunableDataModule, _flatten
 from lightning_dltune.gpu import UtilizationSampler
 from lightning_dltune.lightning_internals import fetches_per_step, time_fit_loop_fetches
-from lightning_dltune.loader import TunedDataLoader, counters_of
+from lightning_dltune.loader import TunedDataLoader, counters_of, loader_config_of
 from lightning_dltune.measurement import WindowMeter
 from lightning_dltune.stats import WindowStats
 
@@ -84,13 +85,18 @@ class WindowProbe:
         self._loaders = []
 
     # -- windows ---------------------------------------------------------------------------------
-    def attach(self, trainer: Any, config: Optional[LoaderConfig],
-               bytes_hint: Optional[Callable[[], Optional[int]]] = None) -> None:
-        """At an epoch start: the train loaders report to this probe and a window starts.
+    def attach(self, trainer: Any, datamodule: Optional[TunableDataModule] = None) -> None:
+        """At an epoch start: the train loaders report to this probe and a window of their config starts.
 
-        ``bytes_hint`` gives one batch's bytes where no batch reaches the step hooks.
+        The config is the datamodule's where there is one (it knows what it rebuilt), else the first
+        train loader's. The datamodule also estimates a batch's bytes where no batch reaches the hooks.
         """
         self._loaders = _flatten(trainer.train_dataloader)
+        plain = [dl for dl in self._loaders if isinstance(dl, DataLoader)]
+        if datamodule is not None:
+            config: Optional[LoaderConfig] = datamodule.loader_config
+        else:
+            config = loader_config_of(plain[0]) if plain else (LoaderConfig() if self._loaders else None)
         tuned = [dl for dl in self._loaders if isinstance(dl, TunedDataLoader)]
         self.tuned_loaders = bool(self._loaders) and len(tuned) == len(self._loaders)
         for loader in tuned:
@@ -99,7 +105,7 @@ class WindowProbe:
         # our loaders each reports its own fetch, plain ones are timed together around the combined fetch
         self._parts = fetches_per_step(trainer, len(self._loaders))
         self._per_step = self._parts if self.tuned_loaders else 1
-        self._bytes_hint = bytes_hint
+        self._bytes_hint = datamodule.estimate_batch_bytes if datamodule is not None else None
         self._first = True
         self.start(config)
 
