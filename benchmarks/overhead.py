@@ -127,7 +127,7 @@ def main(argv=None):
     loader_cost = median["bare (TunableDataModule)"] - median["bare (plain DataLoader)"]
     dispatch = median["empty Callback (plain DataLoader)"] - median["bare (plain DataLoader)"]
     print(f"per-batch time, median of {args.rounds} interleaved rounds of {args.batches} batches:")
-    print(f"| loader | bare µs/batch | with DataLoaderTuner µs/batch | overhead µs/batch | overhead |")
+    print("| loader | bare µs/batch | with DataLoaderTuner µs/batch | overhead µs/batch | overhead |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['loader']} | {r['bare_us']:.1f} | {r['with_tuner_us']:.1f} | {r['overhead_us']:+.2f} | {r['overhead_share']:+.2%} |")

@@ -1,10 +1,11 @@
-"""Where the tuner's console lines go: through the active progress bar, so that bars stay whole."""
+"""Where the tuner's console lines go: through the active progress bar, so that bars stay whole; once each."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 
 def say(trainer: Any, text: str) -> None:
@@ -19,3 +20,26 @@ def say(trainer: Any, text: str) -> None:
             bar.print(text)
         return
     rank_zero_info(text)
+
+
+class Notices:
+    """Messages said once per fit, by key: information through :func:`say`, warnings as warnings."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+
+    def reset(self) -> None:
+        """A new fit: every message may be said again."""
+        self._said.clear()
+
+    def once(self, trainer: Any, key: str, text: str, warn: bool = False, all_ranks: bool = False) -> None:
+        """Say ``text`` unless ``key`` was said in this fit; ``all_ranks``: a warning every rank gives."""
+        if key in self._said:
+            return
+        self._said.add(key)
+        if warn and all_ranks:
+            warnings.warn(text, stacklevel=3)
+        elif warn:
+            rank_zero_warn(text)
+        else:
+            say(trainer, text)

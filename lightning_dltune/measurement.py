@@ -96,22 +96,27 @@ class WindowMeter:
         worker_cpu_fraction: Optional[float] = None,
         batch_bytes: Optional[int] = None,
         gpu_util: Optional[float] = None,
+        main_cpu_fraction: Optional[float] = None,
+        fetches_per_step: int = 1,
     ) -> WindowStats:
         """This rank's stats of the window (before any cross-rank reduction).
 
         Batches are those whose step was measured. A fetch whose batch never reached a step (the
-        window ended) does not count. ``samples`` is ``batches * batch_size``.
+        window ended) does not count. ``samples`` is ``batches * batch_size`` (``batch_size``: the
+        samples of one step, every train loader's batch together). ``fetches_per_step``: loaders
+        that each report a fetch for every step (several train loaders combined).
         """
         n_fetch = min(self.fetches, self._capacity)
         n_step = min(self.steps, self._capacity)
         fetch_sorted = sorted(self._fetch_buf[:n_fetch])
         step_sorted = sorted(self._step_buf[:n_step])
         batches = self.steps
-        # Without a prefetching fetcher every step has exactly one fetch; if fetches outnumber steps
+        # Without a prefetching fetcher every step has one fetch per loader; if fetches outnumber that,
         # the extra ones were for batches not stepped yet, so sums are scaled to the stepped batches.
         fetch_wait_total_s = self.fetch_wait_total_s
-        if self.fetches > batches > 0:
-            fetch_wait_total_s *= batches / self.fetches
+        expected = batches * max(1, fetches_per_step)
+        if self.fetches > expected > 0:
+            fetch_wait_total_s *= expected / self.fetches
         return WindowStats(
             batches=batches,
             samples=batches * batch_size,
@@ -130,4 +135,5 @@ class WindowMeter:
             batch_bytes=batch_bytes,
             gpu_util=gpu_util,
             util_source=UtilSource.NVML if gpu_util is not None else UtilSource.ESTIMATE,
+            main_cpu_fraction=main_cpu_fraction,
         )

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional, Union
 
 from lightning_dltune import validation
 from lightning_dltune.config import LoaderConfig
-from lightning_dltune.stats import WindowStats, _StrEnum
+from lightning_dltune.stats import WindowStats, _StrEnum, from_dict, to_dict
 
 
 class Verdict(_StrEnum):
@@ -200,6 +200,32 @@ class WindowRecord:
     @property
     def changed(self) -> bool:
         return self.next_config != self.config
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for a checkpoint; :meth:`from_dict` reads them back (and older checkpoints' forms)."""
+        reason = self.reason if isinstance(self.reason, Reason) else Reason.from_saved(self.reason)
+        return {
+            "epoch": self.epoch,
+            "config": self.config.as_dict(),
+            "stats": to_dict(self.stats),
+            "verdict": str(self.verdict),
+            "reason": reason.to_dict(),
+            "next_config": self.next_config.as_dict(),
+            "first_batches": self.first_batches,
+        }
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> WindowRecord:
+        verdict = saved.get("verdict", "")
+        return cls(
+            epoch=saved.get("epoch", 0),
+            config=LoaderConfig(**saved["config"]),
+            stats=from_dict(WindowStats, saved.get("stats", {})),
+            verdict=Verdict(verdict) if verdict in {v.value for v in Verdict} else verdict,
+            reason=Reason.from_saved(saved.get("reason")),
+            next_config=LoaderConfig(**saved.get("next_config", saved["config"])),
+            first_batches=saved.get("first_batches"),
+        )
 
 
 EpochRecord = WindowRecord  # the name of releases up to 0.1, when every window was an epoch

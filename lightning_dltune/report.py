@@ -32,6 +32,14 @@ def epoch_line(record: WindowRecord, tuning: bool) -> str:
     )
 
 
+def decision_markdown(record: WindowRecord, tuning: bool) -> str:
+    """The decision of one window as TensorBoard text (``dltune/decision``)."""
+    verb = "rebuild with" if tuning else "would try"
+    action = f"{verb} {record.next_config.short()}" if record.changed else "keep"
+    window = f"epoch {record.epoch}" + (f", first {record.first_batches} batches" if record.first_batches else "")
+    return f"**{window}**: {record.verdict}, {record.config.short()} → {action}  \n{record.reason}"
+
+
 def recommend(history: Sequence[WindowRecord], min_gain: float = 0.05) -> Optional[WindowRecord]:
     """The window to cite for the recommended config: the median window of :func:`~lightning_dltune.history.best_config`."""
     best = best_config(history, min_gain)

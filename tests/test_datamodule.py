@@ -115,9 +115,9 @@ def test_a_rebuild_whose_workers_die_rolls_back_and_the_fit_goes_on(trainer_kwar
     dm = SleepyDataModule(train_length=48, val_length=8, batch_size=4, batch_cost_s=0.02,
                           dataset_kwargs={"fail_in_worker_above": 1})
     trainer = pl.Trainer(max_epochs=4, callbacks=[tuner], **trainer_kwargs)
-    with pytest.warns(UserWarning, match="failed to start") as record:
+    with pytest.warns(UserWarning, match="loader config failed") as record:
         trainer.fit(SleepStepModule(step_s=0.005), datamodule=dm)
-    assert len([w for w in record if "failed to start" in str(w.message)]) == 1  # warned once
+    assert len([w for w in record if "loader config failed" in str(w.message)]) == 1  # warned once
     assert trainer.current_epoch == 4 and len(tuner.history) == 4
     assert all(r.num_workers <= 1 for r in tuner.history)  # the fit ran only configs that work
     assert dm.loader_config.num_workers <= 1
@@ -144,7 +144,7 @@ def test_a_dataset_error_reaches_the_user_unchanged(trainer_kwargs, workers):
     with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="bad sample 7"):
         warnings.simplefilter("always")
         trainer.fit(SleepStepModule(), datamodule=dm)
-    assert not [w for w in caught if "failed to start" in str(w.message)]
+    assert not [w for w in caught if "loader config failed" in str(w.message)]
 
 
 @pytest.mark.parametrize("start_workers", [0, 1])

@@ -228,7 +228,7 @@ def test_plain_example_runs_as_a_script(tmp_path):
     assert "--storage-latency-ms" in help_run.stdout
 
     run = subprocess.run(
-        [sys.executable, "-m", "examples.train_plain", "--epochs", "2", "--num-images", "64", "--limit-batches", "2",
+        [sys.executable, "-m", "examples.train_plain", "--epochs", "2", "--num-images", "64", "--limit-batches", "4", "--batch-size", "8",
          "--emulate-step-ms", "5", "--log-dir", str(tmp_path / "logs")],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
     )

@@ -675,13 +675,13 @@ def test_fit_leaves_validation_and_checkpoint_saving_out_of_gpu_util(monkeypatch
     from lightning.pytorch.plugins.io import TorchCheckpointIO
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_dltune import DataLoaderTuner, callback
+    from lightning_dltune import DataLoaderTuner, probe
 
     device = LiveGPU()
     nvml = LiveNVML(device)
     monkeypatch.setattr(gpu, "cuda_device_identity", lambda index: (GPU_A, device.bus_id))
     monkeypatch.setattr(
-        callback, "UtilizationSampler",
+        probe, "UtilizationSampler",
         lambda dev, poll_interval_s: UtilizationSampler("cuda:0", nvml=nvml, poll_interval_s=poll_interval_s),
     )
 

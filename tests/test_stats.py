@@ -9,7 +9,6 @@ from typing import Optional
 import pytest
 import torch
 
-from lightning_dltune.callback import _record_from_dict, _record_to_dict
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.distributed import pack, reduce_across_ranks, unpack
 from lightning_dltune.history import recall
@@ -133,14 +132,14 @@ def test_a_record_round_trips_through_plain_values():
     reason = Reason(ReasonKind.MORE_WORKERS, {"starvation": 0.2, "windows": 1, "workers": 0, "batch_s": 0.04,
                                               "step_s": 0.01, "to_workers": 5, "prefetch": 2, "to_prefetch": 2})
     record = WindowRecord(3, LoaderConfig(), stats, Verdict.DATA_BOUND_IO, reason, LoaderConfig(num_workers=5))
-    saved = _record_to_dict(record)
+    saved = record.to_dict()
     plain = (int, float, str, bool, type(None), dict, list, tuple)
     assert all(isinstance(v, plain) for v in saved["stats"].values())
     assert isinstance(saved["verdict"], str) and isinstance(saved["reason"], dict)
-    assert _record_from_dict(saved) == record
+    assert WindowRecord.from_dict(saved) == record
     # prose reasons of older checkpoints come back as notes that print as they were
     saved["reason"] = "starved 20%: 5 workers"
-    assert str(_record_from_dict(saved).reason) == "starved 20%: 5 workers"
+    assert str(WindowRecord.from_dict(saved).reason) == "starved 20%: 5 workers"
 
 
 def test_nan_is_unknown_in_rows():

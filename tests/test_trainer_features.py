@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+import time
 from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,7 +262,15 @@ ROWS["test_reload_dataloaders_every_n_epochs"] = "`reload_dataloaders_every_n_ep
 
 
 class TwoLoaderData(SleepyDataModule):
+    def __init__(self, plain: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.plain = plain
+
     def train_dataloader(self):
+        if self.plain:  # loaders the tuner did not build: timed around Lightning's combined fetch
+            make = lambda: DataLoader(SleepyDataset(TRAIN, batch_cost_s=BATCH_COST_S), batch_size=BATCH,  # noqa: E731
+                                      drop_last=True)
+            return {"a": make(), "b": make()}
         first = super().train_dataloader()
         second = self.build_loader(SleepyDataset(TRAIN, batch_cost_s=BATCH_COST_S), train=True)
         return {"a": first, "b": second}
@@ -269,20 +278,25 @@ class TwoLoaderData(SleepyDataModule):
 
 class TwoLoaderModule(SleepStepModule):
     def training_step(self, batch, batch_idx):
-        return super().training_step(batch["a"], batch_idx) + super().training_step(batch["b"], batch_idx) * 0
+        x = torch.cat([batch["a"]["x"], batch["b"]["x"]])
+        if self.step_s:
+            time.sleep(self.step_s)  # one emulated accelerator step for both loaders' batches
+        return self.layer(x).pow(2).mean()
 
 
-@row("two train loaders (a dict: `CombinedLoader`)", "starvation and samples/s against truth")
-@pytest.mark.xfail(strict=True, reason="the loaders' waits are averaged over fetches, samples count one loader")
-def test_two_train_loaders(tmp_path, workdir):
+@pytest.mark.parametrize("plain", [False, True], ids=["tunable", "plain"])
+def test_two_train_loaders(tmp_path, workdir, plain):
     model = TwoLoaderModule(step_s=0.01)
-    trainer, tuner = fit(tmp_path, model, TwoLoaderData(train_length=TRAIN, val_length=VAL, batch_size=BATCH,
-                                                        batch_cost_s=BATCH_COST_S), tuner=make_tuner(tune=False),
-                         max_epochs=1)
+    data = TwoLoaderData(plain, train_length=TRAIN, val_length=VAL, batch_size=BATCH, batch_cost_s=BATCH_COST_S)
+    trainer, tuner = fit(tmp_path, model, data, tuner=make_tuner(tune=False), max_epochs=1)
     stats = tuner.history[0].stats
     truth = 2 * BATCH_COST_S / (2 * BATCH_COST_S + 0.01)  # 0 workers: both loaders' batches are made in the fetch
     assert stats.starvation_ratio == pytest.approx(truth, abs=0.12)
     assert stats.samples == 2 * TRAIN
+
+
+ROWS["test_two_train_loaders"] = ("two train loaders (a dict: `CombinedLoader`), ours and plain|starvation and "
+                                  "samples/s against truth")
 
 
 class IterData(SleepyDataModule):
@@ -302,8 +316,6 @@ class SleepyStream(IterableDataset):
         self.length, self.sharded = length, sharded
 
     def __iter__(self):
-        import time
-
         info = torch.utils.data.get_worker_info()
         start, step = (info.id, info.num_workers) if (self.sharded and info is not None) else (0, 1)
         for i in range(start, self.length, step):
@@ -396,7 +408,6 @@ class IterStepModule(SleepStepModule):
 
 
 @row("`training_step(self, dataloader_iter)`", "batch size and samples/s against truth")
-@pytest.mark.xfail(strict=True, reason="the first batch hook gets batch=None: batch size 1, no bytes")
 def test_dataloader_iter(tmp_path, workdir):
     model = IterStepModule(step_s=STEP_S, record_indices=True)
     trainer, tuner = fit(tmp_path, model, make_data(), tuner=make_tuner(tune=False), max_epochs=1)
@@ -409,7 +420,6 @@ def test_dataloader_iter(tmp_path, workdir):
 
 
 @row("one tuner, two fits", "each fit starts afresh")
-@pytest.mark.xfail(strict=True, reason="the second fit carries the first fit's history")
 def test_fit_twice(tmp_path, workdir):
     tuner = make_tuner()
     fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=tuner, max_epochs=1)
