@@ -18,6 +18,7 @@ from lightning_dltune.console import Notices, say
 from lightning_dltune.datamodule import TunableDataModule
 from lightning_dltune.distributed import reduce_across_ranks
 from lightning_dltune.gpu import MODE_SAMPLES
+from lightning_dltune.handoff import SpawnHandoff
 from lightning_dltune.metrics import log_interval, log_window, window_scalars
 from lightning_dltune.policy import decide
 from lightning_dltune.probe import WindowProbe
@@ -154,16 +155,16 @@ class DataLoaderTuner(Callback):
         """The windows of earlier fits with this tuner, one list per fit."""
         self._probe = WindowProbe(stall_threshold_s=stall_threshold_ms / 1000.0)
         self._notices = Notices()
+        self._handoff = SpawnHandoff()
         self._start_fit()
 
     def _start_fit(self) -> None:
         """Everything that belongs to one fit, fresh (``load_state_dict`` then restores a resumed fit's)."""
-        if getattr(self, "history", None):
-            self.previous_fits.append(self.history)
-        self.history: list[WindowRecord] = []
-        """One :class:`~lightning_dltune.records.WindowRecord` per window: config, stats, verdict, reason."""
-        self.rebuilds = 0
-        self.recommended_config: Optional[LoaderConfig] = None
+        if getattr(self, "_history", None):
+            self.previous_fits.append(self._history)
+        self._history: list[WindowRecord] = []
+        self._rebuilds = 0
+        self._recommended: Optional[LoaderConfig] = None
         self.recommendation_path: Optional[str] = None
         self._datamodule: Optional[TunableDataModule] = None
         self._restored_config: Optional[LoaderConfig] = None
@@ -171,6 +172,33 @@ class DataLoaderTuner(Callback):
         self._decide_at_batch = -1  # batch index of the first epoch's early decision (-1: none)
         self._last_step_logged = -1
         self._notices.reset()
+
+    @property
+    def history(self) -> list[WindowRecord]:
+        """This fit's windows, one :class:`~lightning_dltune.records.WindowRecord` each (config, stats, verdict, reason)."""
+        self._take_handoff()
+        return self._history
+
+    @property
+    def rebuilds(self) -> int:
+        """Loader config changes in this fit."""
+        self._take_handoff()
+        return self._rebuilds
+
+    @property
+    def recommended_config(self) -> Optional[LoaderConfig]:
+        """The config recommended at the end of this fit (``None`` before it ends or without evidence)."""
+        self._take_handoff()
+        return self._recommended
+
+    def _take_handoff(self) -> None:
+        """After a fit in spawned processes, their rank zero's state replaces this process's (once)."""
+        handed = self._handoff.receive()
+        if handed is not None:
+            self._start_fit()
+            self.load_state_dict(handed["state"])
+            recommended = handed.get("recommended")
+            self._recommended = LoaderConfig(**recommended) if recommended else None
 
     @property
     def _tuning(self) -> bool:
@@ -216,6 +244,9 @@ class DataLoaderTuner(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._probe.close()
+        if stage == "fit" and trainer.is_global_zero and self._handoff.in_spawned_process():
+            recommended = self._recommended.as_dict() if self._recommended is not None else None
+            self._handoff.send({"state": self.state_dict(), "recommended": recommended})
 
     # ------------------------------------------------------------------ measurement
     @override
@@ -269,16 +300,16 @@ class DataLoaderTuner(Callback):
                 self._say_once(trainer, "no-fetch", f"[dltune] a window of {stats.batches} batch(es) had no fetch"
                                " after the loader's start-up: no verdict; epochs need a few batches to be judged")
             return
-        decision = decide(config, stats, self._budget(trainer, pl_module), self.history, self.settings)
+        decision = decide(config, stats, self._budget(trainer, pl_module), self._history, self.settings)
         decision = trainer.strategy.broadcast(decision, src=0)
         record = WindowRecord(trainer.current_epoch, config, stats, decision.verdict, decision.reason,
                               decision.config, first_batches)
-        self.history.append(record)
+        self._history.append(record)
         if self._tuning:
             assert self._datamodule is not None
             self._datamodule.mark_config_good()
             if record.changed:
-                self.rebuilds += 1
+                self._rebuilds += 1
                 if first_batches is None:
                     self._datamodule.set_loader_config(decision.config)
                 else:
@@ -291,7 +322,7 @@ class DataLoaderTuner(Callback):
     def _early_decision_batch(self, trainer: pl.Trainer) -> int:
         """The batch index after which the first epoch decides, or -1."""
         after, batches = self.first_decision_after, trainer.num_training_batches
-        if not after or not self._tuning or not self._probe.tuned_loaders or self.history:
+        if not after or not self._tuning or not self._probe.tuned_loaders or self._history:
             return -1
         return after - 1 if math.isfinite(batches) and batches >= 2 * after else -1
 
@@ -309,10 +340,10 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        best = recommend(self.history, self.settings.min_gain)
+        best = recommend(self._history, self.settings.min_gain)
         if best is None:
             return
-        self.recommended_config = best.config
+        self._recommended = best.config
         # Lightning suppresses logging under fast_dev_run, and without a logger there is no log dir:
         # the recommendation then lives in the table and `recommended_config` only
         writes = self.recommendation_file and bool(trainer.loggers) and not trainer.fast_dev_run
@@ -320,7 +351,7 @@ class DataLoaderTuner(Callback):
         if not trainer.is_global_zero:
             return
         if self.verbose:
-            say(trainer, summary_table(self.history, best))
+            say(trainer, summary_table(self._history, best))
         if writes and directory:
             note = f"measured {best.samples_per_s:,.0f} samples/s at epoch {best.epoch} ({best.verdict})"
             self.recommendation_path = write_recommendation(directory, best.config, note)
@@ -330,7 +361,7 @@ class DataLoaderTuner(Callback):
     # ------------------------------------------------------------------ logging
     def _log_window(self, trainer: pl.Trainer, record: WindowRecord) -> None:
         mode = self._probe.sampler.window_mode if self._probe.sampler is not None else None
-        scalars = window_scalars(record, self.band, self.rebuilds, None if mode is None else mode == MODE_SAMPLES)
+        scalars = window_scalars(record, self.band, self._rebuilds, None if mode is None else mode == MODE_SAMPLES)
         log_window(trainer, record, scalars, tuning=self.tune)
         if self.verbose:
             say(trainer, epoch_line(record, tuning=self._tuning))
@@ -349,11 +380,11 @@ class DataLoaderTuner(Callback):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
-        current = self.history[-1].next_config if self.history else self._probe.config
+        current = self._history[-1].next_config if self._history else self._probe.config
         return {
             "config": current.as_dict() if current is not None else None,
-            "rebuilds": self.rebuilds,
-            "history": [record.to_dict() for record in self.history],
+            "rebuilds": self._rebuilds,
+            "history": [record.to_dict() for record in self._history],
             "worker_cap": self._worker_cap,
         }
 
@@ -361,7 +392,7 @@ class DataLoaderTuner(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         config = state_dict.get("config")
         self._restored_config = LoaderConfig(**config) if config else None
-        self.rebuilds = state_dict.get("rebuilds", 0)
+        self._rebuilds = state_dict.get("rebuilds", 0)
         self._worker_cap = state_dict.get("worker_cap")
-        self.history = [WindowRecord.from_dict(d) for d in state_dict.get("history", [])]
+        self._history = [WindowRecord.from_dict(d) for d in state_dict.get("history", [])]
 
