@@ -667,6 +667,7 @@ class LiveNVML(FakeNVML):
         return super().nvmlDeviceGetSamples(handle, sample_type, last_seen)
 
 
+@pytest.mark.slow
 def test_fit_leaves_validation_and_checkpoint_saving_out_of_gpu_util(monkeypatch, tmp_path):
     """The GPU idles while validating and saving checkpoints; the training part it reports stays busy."""
     import lightning.pytorch as pl

@@ -119,6 +119,7 @@ def test_plan_interleaves_the_tuned_fit_around_a_shuffled_grid_with_the_rule_of_
     assert gpu_bench.rule_of_thumb_workers() in static
 
 
+@pytest.mark.slow
 def test_check_gpu_without_cuda_exits_2_with_a_clear_message():
     import torch
 
@@ -162,6 +163,7 @@ class _FakeLoad:
             self.idle(on_s, *samplers)
 
 
+@pytest.mark.slow
 def test_check_gpu_passes_every_check_against_a_faithful_fake_device(monkeypatch):
     """The whole NVML check, CUDA and the driver faked as tests/test_gpu.py fakes them: the script runs through."""
     import types

@@ -2,6 +2,8 @@
 
 import multiprocessing
 
+import pytest
+
 from lightning_dltune.handoff import SpawnHandoff
 
 
@@ -10,6 +12,7 @@ def _send_from_child(handoff: SpawnHandoff) -> None:
     handoff.send({"state": {"rebuilds": 3}})
 
 
+@pytest.mark.slow
 def test_a_spawned_process_hands_its_state_back_once():
     handoff = SpawnHandoff()
     assert not handoff.in_spawned_process() and handoff.receive() is None

@@ -64,6 +64,7 @@ def test_a_torch_without_an_internal_the_switch_uses_fails_loudly(monkeypatch):
         check_torch_internals()
 
 
+@pytest.mark.slow  # real worker processes
 def test_a_split_iterator_hands_back_exactly_what_its_workers_had_not_delivered():
     # what the switch relies on: the rest of the sampler iteration plus the tasks not yet yielded
     # are the epoch's remaining batches, in order
@@ -81,12 +82,14 @@ def test_a_split_iterator_hands_back_exactly_what_its_workers_had_not_delivered(
 
 
 # -- what raised it -------------------------------------------------------------------------------
+@pytest.mark.slow  # real worker processes
 def test_a_killed_worker_is_a_machinery_failure():
     loader = DataLoader(Indices(40, kill_in_worker_at=9), batch_size=4, num_workers=2)
     exc = _caught(lambda: list(loader))
     assert is_machinery_failure(exc), exc
 
 
+@pytest.mark.slow  # real worker processes
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize(
     "error",
@@ -99,6 +102,7 @@ def test_the_users_own_errors_are_never_machinery_failures(workers, error):
     assert not is_machinery_failure(exc), exc
 
 
+@pytest.mark.slow
 def test_a_users_collate_or_worker_init_error_is_not_a_machinery_failure():
     def bad_init(worker_id):
         raise OSError("cannot open the shard index")
@@ -112,6 +116,7 @@ def test_a_users_collate_or_worker_init_error_is_not_a_machinery_failure():
 
 
 # -- the switch's life ----------------------------------------------------------------------------
+@pytest.mark.slow  # real worker processes
 def test_a_switch_is_confirmed_after_its_batches_and_then_detaches():
     loader = build_loader(Indices(40), LoaderConfig(num_workers=0), batch_size=4)
     switch = LoaderSwitch(loader, LoaderConfig(num_workers=1), LoaderConfig(num_workers=0), confirm_after=3)
@@ -124,6 +129,7 @@ def test_a_switch_is_confirmed_after_its_batches_and_then_detaches():
     assert [i for b in it for i in b.tolist()] == list(range(12, 40))
 
 
+@pytest.mark.slow
 def test_a_worker_killed_after_the_first_batches_rolls_back_with_every_sample_once():
     rolled = []
     loader = build_loader(Indices(40, kill_in_worker_at=21), LoaderConfig(num_workers=0), batch_size=4)
@@ -135,6 +141,7 @@ def test_a_worker_killed_after_the_first_batches_rolls_back_with_every_sample_on
     assert rolled == [2] and loader.num_workers == 0
 
 
+@pytest.mark.slow  # real worker processes
 def test_a_pending_switch_drains_the_old_workers_then_runs_the_rest_with_the_new_ones():
     loader = build_loader(Indices(40), LoaderConfig(num_workers=1), batch_size=4)
     it = iter(loader)
@@ -169,6 +176,7 @@ def run_with_small_shm(script: str, shm: str = "8m", timeout: float = 300) -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @needs_small_shm
 def test_shm_exhaustion_in_a_worker_is_a_machinery_failure():
     result = run_with_small_shm("""
@@ -232,6 +240,7 @@ _SHM_FIT = """
 """
 
 
+@pytest.mark.slow
 @needs_small_shm
 def test_a_rebuild_that_fills_dev_shm_goes_back_with_every_sample_once():
     # 3 MB samples, 6 MB batches: 2 workers x prefetch 2 need 24 MB of an 8 MB /dev/shm
@@ -242,6 +251,7 @@ def test_a_rebuild_that_fills_dev_shm_goes_back_with_every_sample_once():
     assert result["workers"] == [0, 0]
 
 
+@pytest.mark.slow
 @needs_small_shm
 def test_a_start_config_over_the_dev_shm_budget_is_clamped_before_any_worker_starts():
     # 0.5 MB samples, 1 MB batches: a 4 x 4 start would put 2 x 17 MB through an 8 MB /dev/shm
@@ -263,6 +273,7 @@ class HangsInWorkers(Indices):
         return i
 
 
+@pytest.mark.slow
 def test_a_worker_that_hangs_during_a_switch_times_out_and_rolls_back_when_the_loader_has_a_timeout():
     rolled = []
     loader = build_loader(HangsInWorkers(40), LoaderConfig(num_workers=0), batch_size=4, timeout=2)
