@@ -474,7 +474,9 @@ def test_early_stopping_and_checkpoint(tmp_path, workdir):
 # ------------------------------------------------------------------------------------------------ the console
 
 
-class RecordingTQDM(TQDMProgressBar):
+class Recording:
+    """Keeps what the tuner printed through Lightning's own progress bar (the bar prints it as well)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.printed: list[str] = []
@@ -484,14 +486,12 @@ class RecordingTQDM(TQDMProgressBar):
         super().print(*args, **kwargs)
 
 
-class RecordingRich(RichProgressBar):
-    def __init__(self) -> None:
-        super().__init__()
-        self.printed: list[str] = []
+class RecordingTQDM(Recording, TQDMProgressBar):
+    pass
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        self.printed.append(" ".join(map(str, args)))
-        super().print(*args, **kwargs)
+
+class RecordingRich(Recording, RichProgressBar):
+    pass
 
 
 @pytest.mark.parametrize("bar", [RecordingTQDM, RecordingRich], ids=["tqdm", "rich"])
