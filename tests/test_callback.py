@@ -176,3 +176,20 @@ def test_the_worker_cap_after_a_failed_switch_is_kept_in_checkpoints_and_older_o
     older = DataLoaderTuner(verbose=False)
     older.load_state_dict({"config": None, "rebuilds": 0, "history": []})  # a checkpoint from before the cap
     assert older.state_dict()["worker_cap"] is None
+
+
+def test_a_fit_resumed_mid_epoch_records_the_rest_of_that_epoch(trainer_kwargs, tmp_path):
+    from test_loader import CheckpointAndStop
+
+    ckpt = str(tmp_path / "mid.ckpt")
+    dm = SleepyDataModule(train_length=80, val_length=8, batch_size=4, num_workers=0)
+    first = DataLoaderTuner(verbose=False, first_decision_after=0)
+    pl.Trainer(max_epochs=3, callbacks=[first, CheckpointAndStop(ckpt, epoch=1, batch_idx=6)],
+               **trainer_kwargs).fit(SleepStepModule(), datamodule=dm)
+    tuner = DataLoaderTuner(verbose=False, first_decision_after=0)
+    dm = SleepyDataModule(train_length=80, val_length=8, batch_size=4, num_workers=0)
+    # Lightning skips on_train_epoch_start when it resumes mid-epoch: the window starts at the first batch
+    pl.Trainer(max_epochs=3, callbacks=[tuner], **trainer_kwargs).fit(SleepStepModule(), datamodule=dm, ckpt_path=ckpt)
+    resumed = [r for r in tuner.history if r.epoch == 1]
+    assert len(resumed) == 1 and resumed[0].stats.batches == 20 - 7  # the rest of epoch 1
+    assert [r.epoch for r in tuner.history][-1] == 2 and tuner.history[-1].stats.batches == 20
