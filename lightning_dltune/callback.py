@@ -170,7 +170,7 @@ class DataLoaderTuner(Callback):
         self._restored_config: Optional[LoaderConfig] = None
         self._worker_cap: Optional[int] = None  # lowered when a switch rolled back; saved in checkpoints
         self._decide_at_batch = -1  # batch index of the first epoch's early decision (-1: none)
-        self._measured_epoch = -1  # the epoch the probe measures
+        self._measuring = False  # the probe measures this epoch (set at its start, or at its first batch)
         self._last_step_logged = -1
         self._notices.reset()
 
@@ -258,12 +258,12 @@ class DataLoaderTuner(Callback):
 
     def _measure_epoch(self, trainer: pl.Trainer) -> None:
         self._probe.attach(trainer, self._datamodule)
-        self._measured_epoch = trainer.current_epoch
+        self._measuring = True
         self._decide_at_batch = self._early_decision_batch(trainer)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._measured_epoch != trainer.current_epoch:  # resumed mid-epoch: Lightning skipped the epoch start
+        if not self._measuring:  # resumed mid-epoch: Lightning skipped the epoch start
             self._measure_epoch(trainer)
         self._probe.batch_started(trainer, batch, time.perf_counter())
 
@@ -287,6 +287,7 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._measuring = False
         self._close_window(trainer, pl_module)
 
     # ------------------------------------------------------------------ decisions
