@@ -139,7 +139,8 @@ class DataLoaderTuner(Callback):
         self.tune = validation.flag("tune", tune)
         self.util_source = validation.choice("util_source", util_source, UTIL_SOURCE_CHOICES)
         validation.number("stall_threshold_ms", stall_threshold_ms, 0.0)
-        self.nvml_poll_interval_s = validation.number("nvml_poll_interval_s", nvml_poll_interval_s, 0.0)
+        self.nvml_poll_interval_s = validation.number("nvml_poll_interval_s", nvml_poll_interval_s, 0.0, math.inf,
+                                                      low_open=True, high_open=True)
         self.log_every_n_steps = validation.count("log_every_n_steps", log_every_n_steps, 0)
         self.first_decision_after = validation.count("first_decision_after", first_decision_after, 0)
         self.max_workers = validation.count("max_workers", max_workers, 0, optional=True)

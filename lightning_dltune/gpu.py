@@ -16,13 +16,13 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from lightning_dltune import validation
 from lightning_dltune.nvml_device import (
     GPU_IS_LOST,
     NOT_FOUND,
     cuda_device_identity,
     describe_nvml_error,
-    find_handle,
-    is_mig,
+    open_device,
     parse_device,
     read_utilization_samples,
     nvml_code,
@@ -66,30 +66,22 @@ def _now_us() -> float:
 class UtilizationSampler:
     """Mean NVML ``utilization.gpu`` of this rank's device over the training part of a window.
 
-    What it measures: the percentage of time over the driver's sample period during which one or
-    more kernels ran on the device (``nvidia-smi``'s ``GPU-Util``), averaged over the training part
-    of the window: after :meth:`start_window`, and not between :meth:`pause` and :meth:`resume`
-    (validation, checkpointing). Each reading counts for the time it covers, so a burst of samples
-    does not outweigh a quiet stretch, and a stretch in which the driver stopped sampling an idle GPU
-    counts as idle. Values are returned in ``[0, 1]``.
+    What it measures: ``nvidia-smi``'s ``GPU-Util`` (the share of the driver's sample period in which
+    a kernel ran), averaged over the training part of the window: after :meth:`start_window`, not
+    between :meth:`pause` and :meth:`resume` (validation, checkpointing). Each reading counts for the
+    time it covers, and a stretch in which the driver stopped sampling an idle GPU counts as idle.
 
-    How it reads NVML (:attr:`mode`): where the driver keeps utilization samples
-    (``nvmlDeviceGetSamples``) the sampler reads them in batches every ``poll_interval_s`` (no
-    thread), once the first sample has confirmed that the device serves them (``"samples"``);
-    where none arrives, it polls ``nvmlDeviceGetUtilizationRates`` every ``poll_interval_s`` over
-    the training part (``"rates"``). :attr:`window_mode` says which one served the last
-    :meth:`window_mean`. :meth:`maybe_poll` is meant for every batch: in the common case it is one
-    float comparison.
+    How it reads NVML (:attr:`mode`): the driver's sample buffer (``nvmlDeviceGetSamples``), read
+    every ``poll_interval_s`` once a first sample confirmed it (``"samples"``), else
+    ``nvmlDeviceGetUtilizationRates`` polled as often (``"rates"``); :attr:`window_mode` says which
+    served the last :meth:`window_mean`. :meth:`maybe_poll` is meant for every batch: in the common
+    case one float comparison, no thread.
 
-    The device is matched to its NVML handle by UUID (then PCI bus id; :attr:`matched_by` says
-    which), never by index, so ``CUDA_VISIBLE_DEVICES`` reordering cannot point it at a neighbour's
-    GPU. Absent NVML is a normal case: the sampler never raises for it, reports
-    ``available == False``, ``source == "estimate"`` and an ``unavailable_reason``. A failed read is
-    retried with a growing delay; NVML is given up for the fit only after repeated failures in a
-    row (or a lost GPU), with the last error as the reason.
-
-    Build it, poll it and close it in the training process only; it stays silent in any other
-    process (DataLoader workers), and a pickled or deep-copied sampler is an unavailable one.
+    The device is matched by UUID, then PCI bus id (:attr:`matched_by`), never by index. Absent NVML
+    is a normal case: ``available == False``, ``source == "estimate"`` and an ``unavailable_reason``,
+    never an exception. A failed read is retried with a growing delay; NVML is given up only after
+    repeated failures in a row (or a lost GPU). Build, poll and close it in the training process:
+    it stays silent in any other (DataLoader workers), and a pickled copy is an unavailable one.
 
     Args:
         device: the torch device this rank trains on (``cuda:N``). ``None``, ``cpu`` or ``mps``:
@@ -122,14 +114,8 @@ class UtilizationSampler:
         nvml: Optional[object] = None,
         poll_interval_s: float = 5.0,
     ) -> None:
-        if (
-            isinstance(poll_interval_s, bool)
-            or not isinstance(poll_interval_s, (int, float))
-            or not math.isfinite(poll_interval_s)
-            or poll_interval_s <= 0
-        ):
-            raise ValueError(f"`poll_interval_s` must be a finite number > 0, got {poll_interval_s!r}.")
-        self.poll_interval_s = float(poll_interval_s)
+        self.poll_interval_s = validation.number("poll_interval_s", poll_interval_s, 0.0, math.inf,
+                                                 low_open=True, high_open=True)
         self._device_type, self._device_index = parse_device(device)
         self._pid = os.getpid()
         self._nvml: Any = None
@@ -307,36 +293,14 @@ class UtilizationSampler:
         if self._device_type != "cuda":
             self._reason = f"not a CUDA device ({self._device_type or 'no device'})"
             return
-        if nvml is None:
-            try:
-                import pynvml as nvml  # type: ignore[no-redef]
-            except Exception as err:
-                self._reason = f"NVML library not installed (pip install nvidia-ml-py): {err}"
-                return
-        self._nvml = nvml
-        try:
-            nvml.nvmlInit()
-        except Exception as err:
-            self._reason = f"NVML init failed (no NVIDIA driver?): {describe_nvml_error(err)}"
-            return
-        self._initialised = True
-        index = self._device_index
-        try:
-            if index is None:
-                import torch
-
-                index = torch.cuda.current_device()
-            uuid, pci = cuda_device_identity(index)
-        except Exception as err:
-            self._disable(f"cannot identify cuda:{index if index is not None else '?'}: {err}")
-            return
-        handle, self._matched_by, mig_slice, why = find_handle(self._nvml, uuid, pci)
-        if handle is None:
-            self._disable(why)
-            return
-        self._handle = handle
-        if mig_slice or is_mig(self._nvml, handle):
-            self._disable("MIG enabled: NVML reports no utilization for MIG devices")
+        self._nvml, self._handle, self._matched_by, reason, self._initialised = open_device(
+            nvml, self._device_index, lambda index: cuda_device_identity(index)  # looked up here: tests patch it
+        )
+        if reason is not None:
+            if self._initialised:
+                self._disable(reason)
+            else:
+                self._reason = reason
             return
         self._probe()
 

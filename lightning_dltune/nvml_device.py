@@ -7,7 +7,7 @@ machine. Nothing here imports torch or pynvml at module level.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 __all__ = [
     "GPU_IS_LOST",
@@ -166,3 +166,42 @@ def describe_nvml_error(err: BaseException) -> str:
     if code is not None:
         return f"{text or type(err).__name__} (NVML error {code})"
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def open_device(
+    nvml: Any, device_index: Optional[int], identify: Callable[[int], Tuple[Optional[str], Optional[str]]]
+) -> Tuple[Any, Any, Optional[str], Optional[str], bool]:
+    """Start NVML and find the handle of CUDA device ``device_index`` (``None``: torch's current device).
+
+    ``nvml``: the ``pynvml`` module, ``None`` to import it; ``identify``: ``(uuid, pci_bus_id)`` of a
+    CUDA device index (:func:`cuda_device_identity`).
+
+    Returns:
+        ``(nvml, handle, matched_by, reason, initialised)``: ``reason`` says why NVML cannot serve the
+        device (``None`` when it can); ``initialised`` whether ``nvmlInit`` succeeded (the caller
+        then owns an NVML session to shut down).
+    """
+    if nvml is None:
+        try:
+            import pynvml as nvml  # type: ignore[no-redef]
+        except Exception as err:
+            return None, None, None, f"NVML library not installed (pip install nvidia-ml-py): {err}", False
+    try:
+        nvml.nvmlInit()
+    except Exception as err:
+        return nvml, None, None, f"NVML init failed (no NVIDIA driver?): {describe_nvml_error(err)}", False
+    index = device_index
+    try:
+        if index is None:
+            import torch
+
+            index = torch.cuda.current_device()
+        uuid, pci = identify(index)
+    except Exception as err:
+        return nvml, None, None, f"cannot identify cuda:{index if index is not None else '?'}: {err}", True
+    handle, matched_by, mig_slice, why = find_handle(nvml, uuid, pci)
+    if handle is None:
+        return nvml, None, matched_by, why, True
+    if mig_slice or is_mig(nvml, handle):
+        return nvml, handle, matched_by, "MIG enabled: NVML reports no utilization for MIG devices", True
+    return nvml, handle, matched_by, None, True

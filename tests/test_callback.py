@@ -143,6 +143,7 @@ def test_util_source_nvml_without_a_gpu_warns_and_estimates(trainer_kwargs):
         (dict(max_prefetch_factor=0), "max_prefetch_factor"),
         (dict(min_gain=1.0), "min_gain"),
         (dict(nvml_poll_interval_s=-0.1), "nvml_poll_interval_s"),
+        (dict(nvml_poll_interval_s=0), "nvml_poll_interval_s"),
     ],
 )
 def test_bad_arguments_raise_at_construction_naming_the_argument(kwargs, names):
