@@ -2,7 +2,7 @@
 
 Loaders the tuner did not build cannot report their fetches themselves; for them the callback wraps
 the iterator that Lightning's training loop calls ``next()`` on (``trainer.fit_loop._data_fetcher
-.iterator``, present from Lightning 2.2 to 2.6). :func:`check_lightning_internals` names what a
+.iterator``, checked on Lightning 2.5.3 and 2.6). :func:`check_lightning_internals` names what a
 Lightning release removed, and a test calls it, so such a release fails loudly instead of silently
 reporting no fetch waits.
 """
