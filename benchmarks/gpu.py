@@ -172,7 +172,7 @@ def _window_row(record: Any, nvml_mode: Optional[str]) -> dict[str, Any]:
     nvml = s.gpu_util if s.util_source == "nvml" else None
     estimate = 1.0 - s.starvation_ratio
     return {
-        "epoch": record.epoch, "first_batches": record.first_batches, "batches": s.batches,
+        "epoch": record.epoch, "end_batch": record.end_batch, "batches": s.batches,
         "num_workers": record.config.num_workers, "prefetch_factor": record.config.prefetch_factor,
         "samples_per_s": s.samples_per_s, "nvml_util": nvml, "nvml_mode": nvml_mode, "estimate": estimate,
         "abs_nvml_minus_estimate": None if nvml is None else abs(nvml - estimate),
@@ -217,7 +217,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "agree": sum(ok for _, _, ok in checked), "windows": len(checked),
             "tuned_agree": sum(ok for label, _, ok in checked if label.startswith("tuned")),
             "tuned_windows": sum(label.startswith("tuned") for label, _, _ in checked),
-            "disagreements": [{"run": label, "epoch": w["epoch"], "first_batches": w["first_batches"],
+            "disagreements": [{"run": label, "epoch": w["epoch"], "end_batch": w["end_batch"],
                                "verdict": w["verdict"], "nvml_util": w["nvml_util"], "estimate": w["estimate"]}
                               for label, w, ok in checked if not ok],
         }
@@ -275,7 +275,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     for r in results["runs"]:
         if r.get("tuned") and "error" not in r:
             for w in r["windows"]:
-                part = f" (first {w['first_batches']})" if w["first_batches"] else ""
+                part = f" (first {w['end_batch']})" if w["end_batch"] else ""
                 lines.append(f"| {r['label']} | {w['epoch']}{part} | {w['num_workers']}x{w['prefetch_factor']} |"
                              f" {w['samples_per_s']:.0f} | {_f(w['nvml_util'])} {w['nvml_mode'] or ''} |"
                              f" {_f(w['estimate'])} | {w['fetch_wait_ms']:.1f} | {w['step_ms']:.1f} | {w['verdict']} |")

@@ -276,7 +276,7 @@ class DataLoaderTuner(Callback):
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
             self._log_interval(trainer)
         if batch_idx == self._decide_at_batch:
-            self._close_window(trainer, pl_module, first_batches=batch_idx + 1)
+            self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -292,11 +292,11 @@ class DataLoaderTuner(Callback):
         self._close_window(trainer, pl_module)
 
     # ------------------------------------------------------------------ decisions
-    def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, first_batches: Optional[int] = None) -> None:
+    def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, end_batch: Optional[int] = None) -> None:
         """Reduce the window across ranks, ask the policy, record, log and schedule the next config.
 
         At an epoch end the new config applies from the next epoch start; early in the first epoch
-        (``first_batches``) the training loaders switch to it right away.
+        (``end_batch``) the training loaders switch to it right away.
         """
         config = self._probe.config
         if config is None:
@@ -312,20 +312,20 @@ class DataLoaderTuner(Callback):
         decision = decide(config, stats, self._budget(trainer, pl_module), self._history, self.settings)
         decision = trainer.strategy.broadcast(decision, src=0)
         record = WindowRecord(trainer.current_epoch, config, stats, decision.verdict, decision.reason,
-                              decision.config, first_batches)
+                              decision.config, end_batch, trainer.global_step, decision.judged_util)
         self._history.append(record)
         if self._tuning:
             assert self._datamodule is not None
             self._datamodule.mark_config_good()
             if record.changed:
                 self._rebuilds += 1
-                if first_batches is None:
+                if end_batch is None:
                     self._datamodule.set_loader_config(decision.config)
                 else:
                     self._datamodule.switch_train_loaders(decision.config, on_failure=self._on_rollback)
         if trainer.is_global_zero:
             self._log_window(trainer, record)
-        if first_batches is not None:  # the rest of the epoch is a window of its own, with the config it runs
+        if end_batch is not None:  # the rest of the epoch is a window of its own, with the config it runs
             self._probe.start(decision.config if self._tuning else config)
 
     def _early_decision_batch(self, trainer: pl.Trainer) -> int:

@@ -92,7 +92,7 @@ def decide(
     if clamped != config:  # a last guard: no rule may pick a config over budget
         config, verdict = clamped, Verdict.MEMORY_CAPPED if limit == "memory" else verdict
         reason = replace(reason, values={**reason.values, "budget_allows": pair(clamped)})
-    return Decision(config=config, verdict=verdict, reason=reason, best=fit.best)
+    return Decision(config=config, verdict=verdict, reason=reason, best=fit.best, judged_util=fit.seen.utilization)
 
 
 def clamp_to_budget(

@@ -158,7 +158,11 @@ class WindowRecord:
         verdict: the policy's diagnosis.
         reason: why the policy decided (a :class:`Reason`; prose from older checkpoints becomes a note).
         next_config: the config decided for what follows.
-        first_batches: the window was only this epoch's first batches (an early decision).
+        end_batch: the window closed mid-epoch, after this many batches of its epoch (the training
+            loaders switched right there); ``None``: it closed at the epoch end.
+        step: the global step at which the window closed (its x in the logs).
+        judged_util: the utilization the verdict judged: this window pooled with the current config's
+            earlier windows (the raw value is ``stats.utilization``).
     """
 
     epoch: int
@@ -167,7 +171,9 @@ class WindowRecord:
     verdict: Union[Verdict, str]
     reason: Union[Reason, str]
     next_config: LoaderConfig
-    first_batches: Optional[int] = None
+    end_batch: Optional[int] = None
+    step: Optional[int] = None
+    judged_util: Optional[float] = None
 
     @property
     def num_workers(self) -> int:
@@ -211,7 +217,9 @@ class WindowRecord:
             "verdict": str(self.verdict),
             "reason": reason.to_dict(),
             "next_config": self.next_config.as_dict(),
-            "first_batches": self.first_batches,
+            "end_batch": self.end_batch,
+            "step": self.step,
+            "judged_util": self.judged_util,
         }
 
     @classmethod
@@ -224,7 +232,9 @@ class WindowRecord:
             verdict=Verdict(verdict) if verdict in {v.value for v in Verdict} else verdict,
             reason=Reason.from_saved(saved.get("reason")),
             next_config=LoaderConfig(**saved.get("next_config", saved["config"])),
-            first_batches=saved.get("first_batches"),
+            end_batch=saved.get("end_batch", saved.get("first_batches")),  # the name up to 0.2
+            step=saved.get("step"),
+            judged_util=saved.get("judged_util"),
         )
 
 
@@ -233,9 +243,11 @@ EpochRecord = WindowRecord  # the name of releases up to 0.1, when every window 
 
 @dataclass(frozen=True)
 class Decision:
-    """The policy's answer for one window: the next config, the verdict, why, and the best config seen."""
+    """The policy's answer for one window: the next config, the verdict, why, the best config seen, and the
+    utilization the verdict judged (the current config's recent windows pooled)."""
 
     config: LoaderConfig
     verdict: Verdict
     reason: Reason
     best: Optional[LoaderConfig] = None
+    judged_util: Optional[float] = None

@@ -23,7 +23,7 @@ def epoch_line(record: WindowRecord, tuning: bool) -> str:
     else:
         verb = "next" if tuning else "would try"
         nxt = f"{verb}: workers={record.next_config.num_workers} prefetch={record.next_config.prefetch_factor}"
-    window = f"epoch {record.epoch}" + (f" (first {record.first_batches} batches)" if record.first_batches else "")
+    window = f"epoch {record.epoch}" + (f" (to batch {record.end_batch})" if record.end_batch else "")
     return (
         f"[dltune] {window} | workers={record.config.num_workers} prefetch={record.config.prefetch_factor}"
         f" | util {s.utilization:.0%} ({s.util_source}) | starvation {s.starvation_ratio:.0%}"
@@ -36,7 +36,7 @@ def decision_markdown(record: WindowRecord, tuning: bool) -> str:
     """The decision of one window as TensorBoard text (``dltune/decision``)."""
     verb = "rebuild with" if tuning else "would try"
     action = f"{verb} {record.next_config.short()}" if record.changed else "keep"
-    window = f"epoch {record.epoch}" + (f", first {record.first_batches} batches" if record.first_batches else "")
+    window = f"epoch {record.epoch}" + (f", to batch {record.end_batch}" if record.end_batch else "")
     return f"**{window}**: {record.verdict}, {record.config.short()} → {action}  \n{record.reason}"
 
 
@@ -57,7 +57,7 @@ def summary_table(history: Sequence[WindowRecord], recommended: Optional[WindowR
     for r in history:
         s = r.stats
         table.add_row(
-            f"{r.epoch} (first {r.first_batches})" if r.first_batches else str(r.epoch), str(r.config.num_workers), str(r.config.prefetch_factor), f"{s.utilization:.0%}",
+            f"{r.epoch} (to {r.end_batch})" if r.end_batch else str(r.epoch), str(r.config.num_workers), str(r.config.prefetch_factor), f"{s.utilization:.0%}",
             s.util_source, f"{s.starvation_ratio:.0%}", f"{s.stalls}/{s.fetches}", f"{s.samples_per_s:,.0f}", r.verdict,
         )
     buffer = io.StringIO()

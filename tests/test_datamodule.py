@@ -156,7 +156,7 @@ def test_the_first_epoch_switches_loaders_mid_epoch_without_losing_or_repeating_
     trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
     trainer.fit(model, datamodule=dm)
     early, rest = tuner.history[0], tuner.history[1]
-    assert early.epoch == rest.epoch == 0 and early.first_batches == 10
+    assert early.epoch == rest.epoch == 0 and early.end_batch == 10
     assert early.config.num_workers == start_workers and rest.config.num_workers > start_workers
     assert rest.stats.batches == 62 - 10  # the rest of the epoch ran with the new workers
     for seen in model.train_indices:
@@ -295,7 +295,7 @@ def _went_back(caught):
     return [w for w in caught if "went back" in str(w.message)]
 
 
-def test_a_rebuilt_loader_whose_workers_die_after_its_first_batches_rolls_back_with_every_sample_once(trainer_kwargs):
+def test_a_rebuilt_loader_whose_workers_die_after_its_end_batch_rolls_back_with_every_sample_once(trainer_kwargs):
     # epoch 1 runs 2 workers, killed from batch 5 on: later than the first batch, within a few windows
     forcer = AlternateConfigs([LoaderConfig(num_workers=0), LoaderConfig(num_workers=2)])
     model = SleepStepModule(record_indices=True)
@@ -319,7 +319,7 @@ def test_a_failed_mid_epoch_switch_keeps_the_whole_epoch_and_its_validation(trai
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=dm)
-    assert tuner.history[0].first_batches == 10 and tuner.history[0].changed
+    assert tuner.history[0].end_batch == 10 and tuner.history[0].changed
     assert len(_went_back(caught)) == 1
     for seen in model.train_indices:
         assert sorted(seen) == list(range(160))  # full length: the dead workers' batches came again

@@ -76,7 +76,7 @@ def _run(label, workers, fit_s, windows, tuned=False):
 
 
 def _window(nvml, estimate, verdict, epoch=0):
-    return {"epoch": epoch, "first_batches": None, "batches": 100, "num_workers": 0, "prefetch_factor": 2,
+    return {"epoch": epoch, "end_batch": None, "batches": 100, "num_workers": 0, "prefetch_factor": 2,
             "samples_per_s": 500.0, "nvml_util": nvml, "nvml_mode": "samples", "estimate": estimate,
             "abs_nvml_minus_estimate": abs(nvml - estimate), "starvation_ratio": 1 - estimate,
             "fetch_wait_ms": 1.0, "step_ms": 20.0, "verdict": verdict}

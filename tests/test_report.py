@@ -60,7 +60,7 @@ def test_the_best_config_is_the_leanest_within_min_gain_of_the_best_median():
 
 def test_the_console_line_and_the_table_show_the_verdict_and_the_reason():
     decision = decide(LoaderConfig(), window(41), Budget(32, cpus=64))
-    r = WindowRecord(0, LoaderConfig(), window(41), decision.verdict, decision.reason, decision.config, first_batches=10)
+    r = WindowRecord(0, LoaderConfig(), window(41), decision.verdict, decision.reason, decision.config, end_batch=10)
     line = epoch_line(r, tuning=True)
     assert "| data-bound (I/O) |" in line and line.endswith(str(decision.reason))
     table = summary_table([r], r)

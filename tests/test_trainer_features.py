@@ -425,7 +425,7 @@ def test_fit_twice(tmp_path, workdir):
     fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=tuner, max_epochs=1)
     fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=tuner, max_epochs=1)
     assert [r.epoch for r in tuner.history] == [0, 0]  # the early window and the rest of the epoch
-    assert tuner.history[0].first_batches == 4
+    assert tuner.history[0].end_batch == 4
 
 
 class AllStagesModule(SleepStepModule):
@@ -514,7 +514,7 @@ def test_ddp_spawn(tmp_path, workdir):
     tuner = make_tuner()
     fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=tuner, strategy="ddp_spawn", devices=2,
         max_epochs=1)
-    assert tuner.history and tuner.history[0].first_batches == 4  # the early window, then the rest of epoch 0
+    assert tuner.history and tuner.history[0].end_batch == 4  # the early window, then the rest of epoch 0
     assert tuner.history[-1].epoch == 0 and tuner.recommended_config is not None
     assert tuner.rebuilds == sum(r.changed for r in tuner.history)
 
