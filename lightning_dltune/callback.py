@@ -131,6 +131,8 @@ class DataLoaderTuner(Callback):
         max_prefetch_factor: int = 8,
         nvml_poll_interval_s: float = 5.0,
         first_decision_after: int = 10,
+        window_batches: int = 50,
+        window_seconds: float = 3.0,
         verbose: bool = True,
         recommendation_file: bool = True,
     ) -> None:
@@ -143,6 +145,8 @@ class DataLoaderTuner(Callback):
                                                       low_open=True, high_open=True)
         self.log_every_n_steps = validation.count("log_every_n_steps", log_every_n_steps, 0)
         self.first_decision_after = validation.count("first_decision_after", first_decision_after, 0)
+        self.window_batches = validation.count("window_batches", window_batches, 1)
+        self.window_seconds = validation.number("window_seconds", window_seconds, 0.0)
         self.max_workers = validation.count("max_workers", max_workers, 0, optional=True)
         self.memory_fraction = validation.fraction("memory_fraction", memory_fraction, zero=False)
         self.shm_fraction = validation.fraction("shm_fraction", shm_fraction, zero=False)
@@ -170,7 +174,8 @@ class DataLoaderTuner(Callback):
         self._datamodule: Optional[TunableDataModule] = None
         self._restored_config: Optional[LoaderConfig] = None
         self._worker_cap: Optional[int] = None  # lowered when a switch rolled back; saved in checkpoints
-        self._decide_at_batch = -1  # batch index of the first epoch's early decision (-1: none)
+        self._window_end = -1  # batch index of this epoch at which the open window closes (-1: at the epoch end)
+        self._next_window = self.first_decision_after or self.window_batches  # batches of the next window
         self._measuring = False  # the probe measures this epoch (set at its start, or at its first batch)
         self._last_step_logged = -1
         self._notices.reset()
@@ -257,15 +262,15 @@ class DataLoaderTuner(Callback):
             self._datamodule.rebuild_loaders(on_failure=self._on_rollback)  # type: ignore[union-attr]
         self._measure_epoch(trainer)
 
-    def _measure_epoch(self, trainer: pl.Trainer) -> None:
+    def _measure_epoch(self, trainer: pl.Trainer, first_batch: int = 0) -> None:
         self._probe.attach(trainer, self._datamodule)
         self._measuring = True
-        self._decide_at_batch = self._early_decision_batch(trainer)
+        self._window_end = self._plan_window(trainer, first_batch)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._measuring:  # resumed mid-epoch: Lightning skipped the epoch start
-            self._measure_epoch(trainer)
+            self._measure_epoch(trainer, batch_idx)
         self._probe.batch_started(trainer, batch, time.perf_counter())
 
     @override
@@ -275,7 +280,7 @@ class DataLoaderTuner(Callback):
         self._probe.batch_ended(time.perf_counter())
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
             self._log_interval(trainer)
-        if batch_idx == self._decide_at_batch:
+        if batch_idx == self._window_end:
             self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
 
     @override
@@ -293,10 +298,10 @@ class DataLoaderTuner(Callback):
 
     # ------------------------------------------------------------------ decisions
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, end_batch: Optional[int] = None) -> None:
-        """Reduce the window across ranks, ask the policy, record, log and schedule the next config.
+        """Reduce the window across ranks, ask the policy, record, log and schedule the next config and window.
 
-        At an epoch end the new config applies from the next epoch start; early in the first epoch
-        (``end_batch``) the training loaders switch to it right away.
+        At an epoch end the new config applies from the next epoch start; in the middle of an epoch
+        (``end_batch``) the training loaders switch to it right away and the next window opens.
         """
         config = self._probe.config
         if config is None:
@@ -308,9 +313,12 @@ class DataLoaderTuner(Callback):
             if stats.batches:
                 self._say_once(trainer, "no-fetch", f"[dltune] a window of {stats.batches} batch(es) had no fetch"
                                " after the loader's start-up: no verdict; epochs need a few batches to be judged")
+            if end_batch is not None:
+                self._window_end = self._plan_window(trainer, end_batch)
             return
         decision = decide(config, stats, self._budget(trainer, pl_module), self._history, self.settings)
-        decision = trainer.strategy.broadcast(decision, src=0)
+        # every rank runs the same numbers; rank zero's answer is the job's, and so is the next window's length
+        decision, self._next_window = trainer.strategy.broadcast((decision, self._window_length(stats)), src=0)
         record = WindowRecord(trainer.current_epoch, config, stats, decision.verdict, decision.reason,
                               decision.config, end_batch, trainer.global_step, decision.judged_util)
         self._history.append(record)
@@ -325,15 +333,35 @@ class DataLoaderTuner(Callback):
                     self._datamodule.switch_train_loaders(decision.config, on_failure=self._on_rollback)
         if trainer.is_global_zero:
             self._log_window(trainer, record)
-        if end_batch is not None:  # the rest of the epoch is a window of its own, with the config it runs
+        if end_batch is not None:  # the rest of the epoch is measured in windows of the config it runs
             self._probe.start(decision.config if self._tuning else config)
+            self._window_end = self._plan_window(trainer, end_batch)
 
-    def _early_decision_batch(self, trainer: pl.Trainer) -> int:
-        """The batch index after which the first epoch decides, or -1."""
-        after, batches = self.first_decision_after, trainer.num_training_batches
-        if not after or not self._tuning or not self._probe.tuned_loaders or self._history:
+    def _window_length(self, stats: Any) -> int:
+        """Batches of the next window: at least ``window_batches``, and ``window_seconds`` at the last window's pace."""
+        per_batch = (stats.fetch_wait_total_s + stats.step_total_s) / max(stats.batches, 1)
+        by_time = math.ceil(self.window_seconds / per_batch) if per_batch > 0 else 0
+        return max(self.window_batches, min(by_time, 1 << 20))
+
+    def _plan_window(self, trainer: pl.Trainer, first_batch: int) -> int:
+        """The batch index at which a window opening at ``first_batch`` closes; -1: at the epoch end.
+
+        A window closes in the middle of an epoch only where every rank reaches that batch (a known
+        epoch length, or a single process) and, when tuning, where the loaders can switch right there
+        (map-style data through our loaders). The last window of an epoch takes the epoch's tail when the
+        tail would be shorter than half a window (the fit's first window: shorter than the window itself).
+        """
+        batches = trainer.num_training_batches
+        if not math.isfinite(batches) and trainer.world_size > 1:
             return -1
-        return after - 1 if math.isfinite(batches) and batches >= 2 * after else -1
+        if self._tuning and not self._probe.switchable:
+            return -1
+        length = self._next_window if (self._history or self._tuning) else self.window_batches
+        end = first_batch + length - 1
+        tail = length if not self._history else math.ceil(length / 2)
+        if math.isfinite(batches) and batches - (end + 1) < tail:
+            return -1
+        return end
 
     def _budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
         held = self._datamodule.held_workers() if self._datamodule is not None else None
@@ -395,6 +423,7 @@ class DataLoaderTuner(Callback):
             "rebuilds": self._rebuilds,
             "history": [record.to_dict() for record in self._history],
             "worker_cap": self._worker_cap,
+            "next_window": self._next_window,
         }
 
     @override
@@ -403,5 +432,6 @@ class DataLoaderTuner(Callback):
         self._restored_config = LoaderConfig(**config) if config else None
         self._rebuilds = state_dict.get("rebuilds", 0)
         self._worker_cap = state_dict.get("worker_cap")
+        self._next_window = state_dict.get("next_window", self._next_window)
         self._history = [WindowRecord.from_dict(d) for d in state_dict.get("history", [])]
 

@@ -11,7 +11,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.model import PipelineModel
@@ -20,6 +20,14 @@ from lightning_dltune.stats import WindowStats, pool_windows
 
 POOLED_WINDOWS = 8  # a config is judged on its last this-many windows in a row: noise averages out,
 # a real change in the pipeline still shows within a few windows
+CONFIRM_WINDOWS = 2  # a change is judged on this many windows of the new config: one noisy window never undoes it
+RETRY_AFTER_WINDOWS = 16  # a config undone while the machine was busy (the step slowed: contention) may be tried
+# again after this many windows, doubling each time it is undone again; other undos stand until conditions shift
+SHIFT_COST = 0.5  # a per-batch cost that moved by more than this share of its pooled mean ...
+SHIFT_STARVATION = 0.15  # ... or starvation that moved by more than this (absolute) ...
+SHIFT_SIGMAS = 3.0  # ... and by more than this many standard deviations of the pooled windows: new conditions
+CONTENTION_STEP = 0.25  # a step this much slower than before a change: the machine got busier (or our workers
+# take the training process's CPU); the change is measured again before it is judged
 
 
 class ChangeKind(str, Enum):
@@ -31,29 +39,87 @@ class ChangeKind(str, Enum):
 
 @dataclass(frozen=True)
 class LastChange:
-    """The change that produced the current config: the config before it, its window, and how it went."""
+    """The change that produced the current config: the config before it, its windows, and how it went so far.
+
+    Args:
+        before: the config before the change.
+        before_stats: ``before``'s windows pooled (the baseline).
+        kind: what the change did.
+        gain: relative throughput change, the current config's windows since the change vs ``before_stats``.
+        stopped_helping: more workers that the model said would clearly pay, and did not.
+        windows: windows of the current config since the change (it is judged once ``CONFIRM_WINDOWS``).
+        step_ratio: the current config's step time over ``before``'s (above ``1 + CONTENTION_STEP``: contention).
+    """
 
     before: LoaderConfig
     before_stats: WindowStats
     kind: ChangeKind
-    gain: float  # relative throughput change, this window vs the one before
-    stopped_helping: bool = False  # more workers that the model said would pay, and did not
+    gain: float
+    stopped_helping: bool = False
+    windows: int = 1
+    step_ratio: float = 1.0
+
+    @property
+    def confirmed(self) -> bool:
+        """Measured on enough windows to be judged."""
+        return self.windows >= CONFIRM_WINDOWS
+
+    @property
+    def contention(self) -> bool:
+        """The step itself got slower after the change: throughput fell for a reason the data side may not hold."""
+        return self.step_ratio > 1.0 + CONTENTION_STEP
+
+
+@dataclass(frozen=True)
+class Shift:
+    """New conditions: the newest window's ``signal`` moved from ``before`` (its pooled windows) to ``now``."""
+
+    signal: str  # "worker time per batch", "batch time", "step time", "starvation"
+    before: float
+    now: float
 
 
 @dataclass(frozen=True)
 class FitHistory:
-    """The fit so far, as the rules need it."""
+    """The fit so far, as the rules need it. Everything learned before the latest :class:`Shift` is dropped."""
 
     seen: WindowStats  # the current config's recent windows pooled into one (noise averages out)
     windows: int  # how many windows ``seen`` pools
     util_error: float  # standard error of ``seen``'s utilization (0 for a single window)
-    rebuilds: int
-    rejected: tuple[LoaderConfig, ...]  # configs that were undone: never tried again
-    starved: tuple[tuple[int, int], ...]  # (workers, prefetch) of configs that were starved
+    rebuilds: int  # changes since conditions last shifted (the rebuild cap counts these)
+    rejected: tuple[LoaderConfig, ...]  # configs undone recently: not tried again until they expire
+    starved: tuple[tuple[int, int], ...]  # (workers, prefetch) of configs starved under today's conditions
     worker_ceiling: Optional[int]
     prefetch_ceiling: Optional[int]
     last_change: Optional[LastChange]
     best: Optional[LoaderConfig]
+    shift: Optional[Shift] = None  # conditions shifted at the newest window
+    total_rebuilds: int = 0  # every change of the fit
+
+
+@dataclass
+class _Strike:
+    """An undone config or a ceiling: when it was set and for how long it stands."""
+
+    value: Any
+    at: int
+    strikes: int
+    busy: bool  # judged while the step itself was slower (contention): the verdict may be the machine's
+
+    def stands(self, now: int) -> bool:
+        return not self.busy or now - self.at < RETRY_AFTER_WINDOWS * 2 ** (self.strikes - 1)
+
+
+@dataclass
+class _Run:
+    """The windows of one config in a row, and the change that started it (if the policy made one)."""
+
+    start: int
+    config: LoaderConfig
+    before: Optional[LoaderConfig] = None
+    before_stats: Optional[WindowStats] = None
+    kind: ChangeKind = ChangeKind.OTHER
+    undo: bool = False  # the run is an undo of the run before it: never judged, or undos would ping-pong
 
 
 def recall(
@@ -65,59 +131,137 @@ def recall(
 ) -> FitHistory:
     """Replay ``history`` plus the window just measured (``current``, ``stats``)."""
     windows = [(r.config, r.stats, r.next_config) for r in history] + [(current, stats, None)]
+    n = len(windows)
     pooled: list[WindowStats] = []
-    runs: list[int] = []
-    rejected: list[LoaderConfig] = []
+    rejected: dict[LoaderConfig, _Strike] = {}
+    strikes: dict[LoaderConfig, int] = {}  # how often each config was undone (never forgotten: backoff)
     starved: list[tuple[int, int]] = []
-    worker_ceiling: Optional[int] = None
-    prefetch_ceiling: Optional[int] = None
+    worker_ceiling: Optional[_Strike] = None
+    prefetch_ceiling: Optional[_Strike] = None
     last_change: Optional[LastChange] = None
+    shift: Optional[Shift] = None
+    conditions_from = 0  # first window of today's conditions
+    runs: list[_Run] = []
     for i, (config, window, next_config) in enumerate(windows):
-        run = runs[-1] + 1 if i and windows[i - 1][0] == config else 1
-        runs.append(run)
-        pooled.append(pool_windows([w for _, w, _ in windows[max(i - run + 1, i + 1 - POOLED_WINDOWS) : i + 1]]))
-        if is_starved(pooled[i], settings):
+        if runs and runs[-1].config == config:
+            run = runs[-1]
+            prior = [w for _, w, _ in windows[max(run.start, i - POOLED_WINDOWS) : i]]
+            moved = detect_shift(prior, window, config.num_workers)
+            if moved is not None:  # new conditions: what was learned under the old ones is stale
+                conditions_from = i
+                shift = moved if i == n - 1 else None
+                rejected.clear()
+                starved.clear()
+                worker_ceiling = prefetch_ceiling = None
+                run = _Run(i, config)
+                runs.append(run)
+        else:
+            run = _Run(i, config)
+            if runs and windows[i - 1][2] == config:  # a change the policy made
+                previous = runs[-1]
+                run.before, run.before_stats = previous.config, pooled[i - 1]
+                run.kind = change_kind(previous.config, config)
+                run.undo = previous.before == config and not previous.undo
+            runs.append(run)
+        start = max(run.start, i + 1 - POOLED_WINDOWS)
+        pooled.append(pool_windows([w for _, w, _ in windows[start : i + 1]]))
+        if is_starved(pooled[i], settings) and resources(config) not in starved:
             starved.append(resources(config))
-        if i == 0:
+
+        ended = i < n - 1 and windows[i + 1][0] != config
+        if run.before is None or run.before_stats is None or run.undo or run.start < conditions_from:
             continue
-        before, _, planned = windows[i - 1]
-        if planned != config or before == config:
-            continue  # not a change the policy made (or none at all)
-        if next_config == before:
-            rejected.append(config)  # A -> B -> A: B was undone
-        if i >= 2 and windows[i - 2][0] == config and windows[i - 2][2] == before:
-            continue  # this window is the undo itself: never judged again, or undos would ping-pong
-        kind = change_kind(before, config)
-        gain = throughput_gain(pooled[i - 1], window)
+        length = i - run.start + 1
+        gain = throughput_gain(run.before_stats, pooled[i])
         slower = gain < -settings.min_gain
         # more workers that did not pay although the model said they clearly would: no more of them
         # (a small expected gain that does not show proves nothing: windows differ by a few percent)
         stopped_helping = (
-            kind is ChangeKind.MORE_WORKERS
+            run.kind is ChangeKind.MORE_WORKERS
             and not slower
             and gain < settings.min_gain
-            and _expected_gain(before, config, pooled[i - 1], budget, settings) >= 2 * settings.min_gain
+            and _expected_gain(run.before, config, run.before_stats, budget, settings) >= 2 * settings.min_gain
         )
-        if kind is ChangeKind.MORE_WORKERS and (slower or stopped_helping):
-            worker_ceiling = _min(worker_ceiling, before.num_workers if slower else config.num_workers)
-        if kind is ChangeKind.MORE_PREFETCH and gain < settings.min_gain:
-            kept = before if gain < -settings.min_gain else config
-            prefetch_ceiling = _min(prefetch_ceiling, kept.prefetch_factor)
-        if i == len(windows) - 1:
-            last_change = LastChange(before, pooled[i - 1], kind, gain, stopped_helping)
-    count = min(runs[-1], POOLED_WINDOWS)
+        step_ratio = _ratio(pooled[i].step_mean_s, run.before_stats.step_mean_s)
+        busy = step_ratio > 1.0 + CONTENTION_STEP
+        if i == n - 1 and length <= CONFIRM_WINDOWS:
+            last_change = LastChange(run.before, run.before_stats, run.kind, gain, stopped_helping, length, step_ratio)
+        if ended and next_config == run.before:  # A -> B -> A: B was undone
+            strikes[config] = strikes.get(config, 0) + 1
+            rejected[config] = _Strike(config, i, strikes[config], busy)
+        if length == CONFIRM_WINDOWS or (ended and length < CONFIRM_WINDOWS):  # the change's verdict, once
+            if run.kind is ChangeKind.MORE_WORKERS and (slower or stopped_helping):
+                # slower after a step up of several workers: try a smaller step up before calling it the CPUs'
+                # limit; never declare it at a count that was not measured against one worker more
+                step_up = config.num_workers - run.before.num_workers
+                limit = config.num_workers if stopped_helping else (
+                    run.before.num_workers if step_up <= 1 else config.num_workers - 1)
+                if worker_ceiling is None or not worker_ceiling.stands(i) or limit < worker_ceiling.value:
+                    worker_ceiling = _Strike(limit, i, strikes.get(config, 0) + 1, busy)
+            if run.kind is ChangeKind.MORE_PREFETCH and gain < settings.min_gain:
+                kept = run.before if slower else config
+                if prefetch_ceiling is None or not prefetch_ceiling.stands(i) or kept.prefetch_factor < prefetch_ceiling.value:
+                    prefetch_ceiling = _Strike(kept.prefetch_factor, i, strikes.get(config, 0) + 1, busy)
+    now = n - 1
+    run = runs[-1]
+    count = min(now - run.start + 1, POOLED_WINDOWS)
+    changes = [r.changed for r in history]
     return FitHistory(
         seen=pooled[-1],
         windows=count,
-        util_error=_standard_error([w.utilization for _, w, _ in windows[-count:]]),
-        rebuilds=sum(r.changed for r in history),
-        rejected=tuple(rejected),
+        util_error=_standard_error([w.utilization for _, w, _ in windows[now + 1 - count :]]),
+        rebuilds=sum(changes[conditions_from:]),
+        rejected=tuple(c for c, strike in rejected.items() if strike.stands(now)),
         starved=tuple(starved),
-        worker_ceiling=worker_ceiling,
-        prefetch_ceiling=prefetch_ceiling,
+        worker_ceiling=worker_ceiling.value if worker_ceiling is not None and worker_ceiling.stands(now) else None,
+        prefetch_ceiling=prefetch_ceiling.value if prefetch_ceiling is not None and prefetch_ceiling.stands(now) else None,
         last_change=last_change,
-        best=_best([(c, w) for c, w, _ in windows], settings.min_gain),
+        best=_best([(c, w) for c, w, _ in windows[conditions_from:]], settings.min_gain),
+        shift=shift,
+        total_rebuilds=sum(changes),
     )
+
+
+def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -> Optional[Shift]:
+    """Whether ``new`` differs from the same config's ``prior`` windows by more than their noise explains.
+
+    Compared: the data side's cost per batch (a worker's time per batch where the loader says it; the
+    fetch wait with 0 workers, where the training process makes the batch inside the fetch), the step
+    time, and starvation. A signal moved when it left its pooled mean by more than ``SHIFT_COST`` of it
+    (``SHIFT_STARVATION`` for starvation) and by more than ``SHIFT_SIGMAS`` standard deviations of the
+    prior windows. ``None``: same conditions.
+    """
+    prior = [w for w in prior if w.batches > 0]
+    if not prior or new.batches <= 0:
+        return None
+    for name, signal, floor in _signals(workers):
+        values = [v for v in (signal(w) for w in prior) if v is not None]
+        now = signal(new)
+        if not values or now is None:
+            continue
+        mean = sum(values) / len(values)
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        margin = max(floor if name == "starvation" else floor * mean, SHIFT_SIGMAS * spread)
+        if mean > 0 and abs(now - mean) > margin:
+            return Shift(name, mean, now)
+    return None
+
+
+def _signals(workers: int) -> list[tuple[str, Callable[[WindowStats], Optional[float]], float]]:
+    def cost(w: WindowStats) -> Optional[float]:
+        if w.worker_batch_s is not None:
+            return w.worker_batch_s
+        return w.fetch_wait_mean_s if workers == 0 else None
+
+    return [
+        ("batch time", cost, SHIFT_COST),
+        ("step time", lambda w: w.step_mean_s, SHIFT_COST),
+        ("starvation", lambda w: w.starvation_ratio, SHIFT_STARVATION),
+    ]
+
+
+def _ratio(now: float, before: float) -> float:
+    return now / before if before > 0 else 1.0
 
 
 def best_config(history: Sequence[WindowRecord], min_gain: float = 0.05) -> Optional[LoaderConfig]:

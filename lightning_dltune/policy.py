@@ -92,6 +92,8 @@ def decide(
     if clamped != config:  # a last guard: no rule may pick a config over budget
         config, verdict = clamped, Verdict.MEMORY_CAPPED if limit == "memory" else verdict
         reason = replace(reason, values={**reason.values, "budget_allows": pair(clamped)})
+    if fit.shift is not None:
+        reason = replace(reason, values={**reason.values, "shift": (fit.shift.signal, fit.shift.before, fit.shift.now)})
     return Decision(config=config, verdict=verdict, reason=reason, best=fit.best, judged_util=fit.seen.utilization)
 
 
@@ -180,18 +182,22 @@ def _apply_rules(
         and clamp_to_budget(last.before, stats.batch_bytes, budget, settings)[0] == last.before
     )
     if last is not None and can_go_back:
+        contention = {"step_ratio": last.step_ratio} if last.contention else {}
         if last.kind in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH) and last.gain < -settings.min_gain:
+            numbers = {"gain": last.gain, "rate_before": last.before_stats.samples_per_s,
+                       "rate": stats.samples_per_s, "from": pair(last.before), "to": pair(current), **contention}
+            if not last.confirmed:  # one window is noise until a second agrees
+                return current, _window_verdict(stats, settings, data_verdict), Reason(
+                    ReasonKind.CONFIRM_SLOWER, numbers)
             more_workers = last.kind is ChangeKind.MORE_WORKERS
             verdict = Verdict.DATA_BOUND_CPU if more_workers else _window_verdict(stats, settings, data_verdict)
-            return last.before, verdict, Reason(ReasonKind.UNDO_SLOWER, {
-                "gain": last.gain, "rate_before": last.before_stats.samples_per_s,
-                "rate": stats.samples_per_s, "from": pair(last.before), "to": pair(current),
-            })
+            return last.before, verdict, Reason(ReasonKind.UNDO_SLOWER, {**numbers, "windows": last.windows})
         if last.kind is ChangeKind.GIVE_BACK and is_starved(stats, settings):
-            return last.before, data_verdict, Reason(ReasonKind.UNDO_GIVE_BACK, {
-                "config": pair(current), "util": util, "low": low, "starvation": starvation,
-                "to": pair(last.before),
-            })
+            numbers = {"config": pair(current), "util": util, "low": low, "starvation": starvation,
+                       "to": pair(last.before)}
+            if not last.confirmed:
+                return current, data_verdict, Reason(ReasonKind.CONFIRM_STARVED, numbers)
+            return last.before, data_verdict, Reason(ReasonKind.UNDO_GIVE_BACK, numbers)
 
     # 4.-7. where the window sits against the band: clearly outside means by the hysteresis plus the pooled
     # windows' standard error (twice that above the band: slack costs only CPU and RAM, starving costs
@@ -247,10 +253,11 @@ def _add_throughput(
     starved = {"starvation": stats.starvation_ratio, "windows": fit.windows, "workers": workers}
     last = fit.last_change
     if last is not None and last.kind is ChangeKind.MORE_WORKERS and last.stopped_helping:
-        return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.STOPPED_HELPING, {
-            "from_workers": last.before.num_workers, "workers": workers, "gain": last.gain,
-            "min_gain": settings.min_gain,
-        })
+        numbers = {"from_workers": last.before.num_workers, "workers": workers, "gain": last.gain,
+                   "min_gain": settings.min_gain}
+        if not last.confirmed:
+            return current, data_verdict, Reason(ReasonKind.CONFIRM_NO_GAIN, numbers)
+        return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.STOPPED_HELPING, numbers)
 
     # bursty: the workers make enough on average, yet some fetches wait: deeper prefetch absorbs bursts
     capacity_ratio = model.capacity(workers) / model.demand if workers else 0.0

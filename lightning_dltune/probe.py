@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.datamodule import TunableDataModule, _flatten
@@ -55,6 +55,7 @@ class WindowProbe:
         self.sampler: Optional[UtilizationSampler] = None
         self.config: Optional[LoaderConfig] = None  # the config the window runs
         self.tuned_loaders = False  # every train loader reports its own fetches
+        self.switchable = False  # ... and can switch workers in the middle of an epoch (map-style data)
         self.fetcher_missing = False  # a plain loader's fetches could not be timed
         self.batch_unseen = False  # the step hooks got no batch (``training_step(dataloader_iter)``)
         self._bytes_hint: Optional[Callable[[], Optional[int]]] = None
@@ -99,6 +100,7 @@ class WindowProbe:
             config = loader_config_of(plain[0]) if plain else (LoaderConfig() if self._loaders else None)
         tuned = [dl for dl in self._loaders if isinstance(dl, TunedDataLoader)]
         self.tuned_loaders = bool(self._loaders) and len(tuned) == len(self._loaders)
+        self.switchable = self.tuned_loaders and not any(isinstance(dl.dataset, IterableDataset) for dl in tuned)
         for loader in tuned:
             loader.fetch_recorder = self.meter
         # a step takes a batch of each train loader (unless Lightning combines them sequentially); with

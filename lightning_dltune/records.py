@@ -28,7 +28,10 @@ class ReasonKind(_StrEnum):
     OVER_WORKERS = "over-workers"  # current config over the worker budget
     OVER_PREFETCH = "over-prefetch"  # current config over the deepest prefetch allowed
     REBUILD_CAP = "rebuild-cap"
-    UNDO_SLOWER = "undo-slower"  # the last increase lowered throughput
+    UNDO_SLOWER = "undo-slower"  # the last increase lowered throughput (on two windows)
+    CONFIRM_SLOWER = "confirm-slower"  # the last increase looks slower on one window: measure again
+    CONFIRM_STARVED = "confirm-starved"  # the last give-back looks starved on one window: measure again
+    CONFIRM_NO_GAIN = "confirm-no-gain"  # the last increase shows no gain on one window: measure again
     UNDO_GIVE_BACK = "undo-give-back"  # the last give-back starved the loop
     COMPUTE_BOUND = "compute-bound"  # below the band, not waiting on data
     STOPPED_HELPING = "stopped-helping"  # the last increase gained less than min_gain

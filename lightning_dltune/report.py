@@ -104,7 +104,18 @@ def reason_text(reason: Reason) -> str:
     text = _WORDS.get(reason.kind, lambda v: v.get("text", str(reason.kind)))(v)
     if "budget_allows" in v:
         text += f"; the budget allows {_short(v['budget_allows'])}"
+    if "shift" in v:
+        signal, before, now = v["shift"]
+        text = f"conditions changed ({signal} {_level(signal, before)} -> {_level(signal, now)}), judged afresh: {text}"
     return text
+
+
+def _level(signal: str, value: float) -> str:
+    return f"{value:.0%}" if signal == "starvation" else _ms(value)
+
+
+def _contention(v: dict[str, Any]) -> str:
+    return f"; the step itself got {v['step_ratio'] - 1:.0%} slower (a busy machine?)" if "step_ratio" in v else ""
 
 
 def _over(windows: int) -> str:
@@ -198,11 +209,22 @@ _WORDS = {
     ),
     ReasonKind.UNDO_SLOWER: lambda v: (
         f"throughput fell {-v['gain']:.0%} ({v['rate_before']:.0f} -> {v['rate']:.0f} samples/s) after "
-        f"{_change(v['from'], v['to'])}: going back"
+        f"{_change(v['from'], v['to'])}{_contention(v)}: going back"
     ),
     ReasonKind.UNDO_GIVE_BACK: lambda v: (
         f"giving back to {_short(v['config'])} dropped GPU to {v['util']:.0%} (band from {v['low']:.0%}), "
         f"starved {v['starvation']:.0%}: back to {_short(v['to'])}"
+    ),
+    ReasonKind.CONFIRM_SLOWER: lambda v: (
+        f"throughput fell {-v['gain']:.0%} ({v['rate_before']:.0f} -> {v['rate']:.0f} samples/s) after "
+        f"{_change(v['from'], v['to'])}{_contention(v)}: measuring again before going back"
+    ),
+    ReasonKind.CONFIRM_STARVED: lambda v: (
+        f"giving back to {_short(v['config'])} dropped GPU to {v['util']:.0%}, starved {v['starvation']:.0%}: "
+        "measuring again before going back"
+    ),
+    ReasonKind.CONFIRM_NO_GAIN: lambda v: (
+        f"adding workers {v['from_workers']} -> {v['workers']} gained {v['gain']:+.0%} so far: measuring again"
     ),
     ReasonKind.COMPUTE_BOUND: lambda v: (
         f"GPU {v['util']:.0%} busy but starved only {v['starvation']:.1%}: the step is the bottleneck, "

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_dltune.config import LoaderConfig
-from lightning_dltune.history import best_config
+from lightning_dltune.history import RETRY_AFTER_WINDOWS, best_config, recall
 from lightning_dltune.policy import decide
 from lightning_dltune.records import Budget, EpochRecord, PolicySettings, ReasonKind, Verdict
 from lightning_dltune.report import reason_text
@@ -193,10 +193,13 @@ def test_below_band_without_starvation_is_compute_bound_and_holds():
     assert decision.reason.kind == ReasonKind.COMPUTE_BOUND and decision.reason["util"] == 0.6
 
 
-def test_workers_that_stopped_helping_mean_cpu_bound():
+def test_workers_that_stopped_helping_mean_cpu_bound_once_a_second_window_agrees():
     before = window(30, 10, worker_ms=160, cpu_fraction=0.5)
     after = window(29, 10, worker_ms=300, cpu_fraction=0.5)  # 8 workers: +2 % throughput only
     history = [record(0, cfg(4), before, cfg(8))]
+    first = decide(cfg(8), after, Budget(max_workers=32, cpus=64), history)
+    assert first.config == cfg(8) and first.reason.kind == ReasonKind.CONFIRM_NO_GAIN  # one window: measure again
+    history.append(record(1, cfg(8), after, cfg(8)))
     decision = decide(cfg(8), after, Budget(max_workers=32, cpus=64), history)
     assert decision.config == cfg(8)
     assert decision.verdict == Verdict.DATA_BOUND_CPU
@@ -204,7 +207,7 @@ def test_workers_that_stopped_helping_mean_cpu_bound():
     assert (decision.reason["from_workers"], decision.reason["workers"]) == (4, 8)
     assert decision.reason["gain"] < DEFAULTS.min_gain
     # and later windows do not try again
-    history.append(record(1, cfg(8), after, cfg(8)))
+    history.append(record(2, cfg(8), after, cfg(8)))
     assert decide(cfg(8), after, Budget(max_workers=32, cpus=64), history).config == cfg(8)
 
 
@@ -268,14 +271,17 @@ def test_give_back_never_goes_below_what_kept_the_band():
     assert decision.config.num_workers > 3
 
 
-def test_give_back_that_lost_the_band_is_undone_and_not_retried():
+def test_give_back_that_lost_the_band_is_undone_on_two_windows_and_not_retried_soon():
     slack = window(0, 10, stall_fraction=0.0, worker_ms=20, cpu_fraction=0.2)
     lost = window(5, 10, worker_ms=45, cpu_fraction=0.2)  # 67 % busy after the give-back
     history = [record(0, cfg(4, 1), slack, cfg(3, 1))]
+    first = decide(cfg(3, 1), lost, ROOMY, history)
+    assert first.config == cfg(3, 1) and first.reason.kind == ReasonKind.CONFIRM_STARVED
+    history.append(record(1, cfg(3, 1), lost, cfg(3, 1)))
     undo = decide(cfg(3, 1), lost, ROOMY, history)
     assert undo.config == cfg(4, 1)
     assert undo.reason.kind == ReasonKind.UNDO_GIVE_BACK and undo.reason["to"] == (4, 1)
-    history.append(record(1, cfg(3, 1), lost, cfg(4, 1)))
+    history.append(record(2, cfg(3, 1), lost, cfg(4, 1)))
     again = decide(cfg(4, 1), slack, ROOMY, history)
     assert again.config == cfg(4, 1)
     assert again.verdict == Verdict.COMPUTE_BOUND
@@ -351,10 +357,13 @@ def test_rebuild_cap_stops_changes():
 # Undo and best
 
 
-def test_change_that_lowered_throughput_is_undone():
+def test_change_that_lowered_throughput_is_measured_again_then_undone():
     before = window(5, 10, worker_ms=40, cpu_fraction=0.9)
     after = window(8, 10, worker_ms=120, cpu_fraction=0.5)  # more workers, 16 % slower
     history = [record(0, cfg(4), before, cfg(8))]
+    first = decide(cfg(8), after, ROOMY, history)
+    assert first.config == cfg(8) and first.reason.kind == ReasonKind.CONFIRM_SLOWER
+    history.append(record(1, cfg(8), after, cfg(8)))
     decision = decide(cfg(8), after, ROOMY, history)
     assert decision.config == cfg(4)
     assert decision.reason.kind == ReasonKind.UNDO_SLOWER
@@ -363,13 +372,56 @@ def test_change_that_lowered_throughput_is_undone():
     assert decision.best == cfg(4)
 
 
-def test_undone_config_is_never_tried_again():
+def test_a_slower_window_whose_step_also_slowed_is_called_contention_and_measured_again():
+    before = window(5, 10, worker_ms=40, cpu_fraction=0.9)
+    busy = window(6, 16, worker_ms=60, cpu_fraction=0.9)  # the step itself 60 % slower: a busy machine
+    decision = decide(cfg(8), busy, ROOMY, [record(0, cfg(4), before, cfg(8))])
+    assert decision.config == cfg(8) and decision.reason.kind == ReasonKind.CONFIRM_SLOWER
+    assert decision.reason["step_ratio"] > 1.5 and "slower (a busy machine?)" in str(decision.reason)
+
+
+def test_undone_config_is_not_tried_again():
     before = window(5, 10, worker_ms=40, cpu_fraction=0.2)
     worse = window(8, 10, worker_ms=120, cpu_fraction=0.2)
-    history = [record(0, cfg(4), before, cfg(6)), record(1, cfg(6), worse, cfg(4))]
+    history = [record(0, cfg(4), before, cfg(6)), record(1, cfg(6), worse, cfg(6)), record(2, cfg(6), worse, cfg(4))]
     decision = decide(cfg(4), before, ROOMY, history)
     assert decision.config != cfg(6)
-    assert decision.config == cfg(4)
+    assert decision.config == cfg(5)  # a smaller step up, not the undone one
+    history += [record(3 + i, cfg(4), before, cfg(4)) for i in range(3 * RETRY_AFTER_WINDOWS)]
+    assert recall(history, cfg(4), before, ROOMY, DEFAULTS).rejected == (cfg(6),)
+
+
+def test_a_config_undone_while_the_machine_was_busy_is_tried_again_later():
+    before = window(5, 10, worker_ms=40, cpu_fraction=0.2)
+    busy = window(8, 16, worker_ms=120, cpu_fraction=0.2)  # the step itself 60 % slower: contention
+    history = [record(0, cfg(4), before, cfg(6)), record(1, cfg(6), busy, cfg(6)), record(2, cfg(6), busy, cfg(4))]
+    assert recall(history, cfg(4), before, ROOMY, DEFAULTS).rejected == (cfg(6),)
+    history += [record(3 + i, cfg(4), before, cfg(4)) for i in range(RETRY_AFTER_WINDOWS)]
+    assert recall(history, cfg(4), before, ROOMY, DEFAULTS).rejected == ()
+
+
+def test_new_conditions_clear_what_the_old_ones_taught():
+    before = window(5, 10, worker_ms=40, cpu_fraction=0.2)
+    worse = window(8, 10, worker_ms=120, cpu_fraction=0.2)
+    history = [record(0, cfg(4), before, cfg(6)), record(1, cfg(6), worse, cfg(6)), record(2, cfg(6), worse, cfg(4))]
+    history += [record(3 + i, cfg(4), before, cfg(4)) for i in range(4)]
+    slowed = window(60, 10, worker_ms=120, cpu_fraction=0.2)  # storage 3x slower: starved now
+    fit = recall(history, cfg(4), slowed, ROOMY, DEFAULTS)
+    assert fit.shift is not None and fit.shift.signal == "batch time" and fit.shift.now > 2.5 * fit.shift.before
+    assert fit.rejected == () and fit.windows == 1  # judged on the new window alone
+    decision = decide(cfg(4), slowed, ROOMY, history)
+    assert decision.config.num_workers > 6 and decision.reason["shift"][0] == "batch time"
+    assert str(decision.reason).startswith("conditions changed (batch time 40 ms -> 120 ms)")
+
+
+def test_a_step_up_that_was_slower_is_retried_smaller_before_the_cpus_are_blamed():
+    starved = window(40, 10, worker_ms=40, cpu_fraction=0.9)
+    worse = window(60, 10, worker_ms=200, cpu_fraction=0.9)
+    history = [record(0, cfg(0), starved, cfg(3)), record(1, cfg(3), worse, cfg(3)), record(2, cfg(3), worse, cfg(0))]
+    fit = recall(history, cfg(0), starved, Budget(max_workers=7, cpus=8), DEFAULTS)
+    assert fit.worker_ceiling == 2  # 0 -> 3 was slower: 1 or 2 workers still deserve a try
+    decision = decide(cfg(0), starved, Budget(max_workers=7, cpus=8), history)
+    assert 1 <= decision.config.num_workers <= 2
 
 
 def test_best_config_is_the_highest_throughput_seen():

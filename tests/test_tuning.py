@@ -81,5 +81,5 @@ def test_a_resumed_fit_starts_with_the_tuned_config(trainer_kwargs, tmp_path):
     trainer = pl.Trainer(max_epochs=3, callbacks=[resumed], limit_val_batches=1,
                          **{**trainer_kwargs, "enable_checkpointing": True})
     trainer.fit(SleepStepModule(step_s=0.01), datamodule=fresh, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert [r.epoch for r in resumed.history][-3:] == [0, 1, 2]  # history came back with the checkpoint
+    assert sorted({r.epoch for r in resumed.history}) == [0, 1, 2]  # history came back with the checkpoint
     assert resumed.history[-1].config == tuned  # the resumed epoch ran the tuned config from its start
