@@ -56,6 +56,8 @@ _DEFAULT_PREFETCH = 2  # torch's: prefetch is not given back below it (one batch
 _DRY_QUEUE = 0.05  # prefetch is given back only where at most this fraction of fetches found no batch ready
 # (and the loop waited at most a fifth of that fraction of its time)
 
+_HEAVY_MEMORY_SHARE = 0.25  # prefetched batches holding more than this share of the memory budget are a cost
+
 _Rule = tuple[LoaderConfig, Verdict, Reason]
 
 
@@ -324,6 +326,12 @@ def _add_throughput(
         return target, Verdict.MEMORY_CAPPED, Reason(ReasonKind.MEMORY_CAPPED_WORKERS, {
             **starved, "wanted": wanted, "to": pair(target), **_over_memory(wanted_config, stats.batch_bytes, budget),
         })
+    # memory as a cost: steady starvation needs one batch in flight per worker (a worker gets its next batch
+    # when the loop takes its last one, W steps ahead), so where prefetched batches are a noticeable share of
+    # the memory budget the new workers start with prefetch 1; bursts, if any, then earn deeper prefetch
+    if target.prefetch_factor > 1 and stats.batch_bytes and budget.memory_bytes:
+        if prefetch_bytes(target, stats.batch_bytes)[0] > _HEAVY_MEMORY_SHARE * budget.memory_bytes:
+            target = target.replace(prefetch_factor=1)
     verdict = data_verdict
     if target.num_workers == cpu_limit and model.capacity(target.num_workers) < model.demand:
         verdict = Verdict.DATA_BOUND_CPU  # the most the CPUs carry still falls short
@@ -350,30 +358,34 @@ def _give_back(
         w, p = resources(config)
         return config not in fit.rejected and not any(w <= sw and p <= sp for sw, sp in fit.starved)
 
+    # prefetch deeper than the DataLoader's default only absorbs bursts, and there is no model for those: it goes
+    # back to the default in one notch only where the queue hardly ever ran dry and the loop hardly waited, on
+    # confirmed slack (it saves memory only: no hurry)
+    queue_idle = stats.stall_fraction <= _DRY_QUEUE and starvation <= _DRY_QUEUE / 5
+    shallower = min(prefetch, _DEFAULT_PREFETCH) if workers and queue_idle and confirmed else prefetch
+
     def keeps_band(fewer: int, predicted: float) -> bool:
-        if confirmed:
-            return predicted >= high  # the top of the band: a model a few points off still keeps it
+        if confirmed:  # the band's top: a model a few points off still keeps the band
+            return predicted >= high
         return fewer > 0 and model.capacity(fewer) >= settings.headroom * model.demand
 
-    # fewer workers first: at most half of them in one notch, the fewest the model says keep the band
+    # all the slack the model sees goes back in one step (workers and, where idle, prefetch): slack costs
+    # processes and memory for nothing
     now = model.throughput(workers)
-    for fewer in range(workers // 2, workers):
-        candidate = current.replace(num_workers=fewer)
+    for fewer in range(0, workers):
+        candidate = current.replace(num_workers=fewer, prefetch_factor=shallower if fewer else prefetch)
         predicted = util * model.throughput(fewer) / now
         if keeps_band(fewer, predicted) and allowed(candidate):
             return candidate, verdict, Reason(ReasonKind.GIVE_BACK_WORKERS, {
                 **seen, "workers": workers, "to_workers": fewer, "predicted": min(predicted, 1.0),
+                "prefetch": prefetch, "to_prefetch": candidate.prefetch_factor,
             })
-    # then shallower prefetch, back to the DataLoader's default in one notch: depth beyond it only absorbs
-    # bursts, and there is no model for those, so only where the queue hardly ever ran dry and the loop
-    # hardly waited, on confirmed slack (it saves memory only: no hurry)
-    shallower = current.replace(prefetch_factor=_DEFAULT_PREFETCH)
-    queue_idle = stats.stall_fraction <= _DRY_QUEUE and starvation <= _DRY_QUEUE / 5
-    if workers and prefetch > _DEFAULT_PREFETCH and queue_idle and allowed(shallower):
-        if confirmed:
-            return shallower, verdict, Reason(ReasonKind.GIVE_BACK_PREFETCH, {
-                **seen, "prefetch": prefetch, "to_prefetch": _DEFAULT_PREFETCH,
-            })
+    candidate = current.replace(prefetch_factor=shallower)
+    if shallower < prefetch and allowed(candidate):
+        return candidate, verdict, Reason(ReasonKind.GIVE_BACK_PREFETCH, {
+            **seen, "prefetch": prefetch, "to_prefetch": shallower,
+        })
+    if not confirmed and workers and prefetch > _DEFAULT_PREFETCH and queue_idle:
         return current, verdict, Reason(ReasonKind.SLACK_UNCONFIRMED, seen)
     if not confirmed and workers and allowed(current.replace(num_workers=workers - 1)):
         return current, verdict, Reason(ReasonKind.SLACK_UNCONFIRMED, seen)

@@ -264,6 +264,7 @@ _WORDS = {
     ReasonKind.GIVE_BACK_WORKERS: lambda v: (
         f"{_slack(v)}: the data side has slack, {v['to_workers']} workers should keep ~{v['predicted']:.0%}: "
         f"giving back {v['workers']} -> {v['to_workers']} workers"
+        + (f", prefetch {v['prefetch']} -> {v['to_prefetch']}" if v.get("to_prefetch", v.get("prefetch")) != v.get("prefetch") else "")
     ),
     ReasonKind.GIVE_BACK_PREFETCH: lambda v: (
         f"{_slack(v)}: the data side has slack: prefetch {v['prefetch']} -> {v['to_prefetch']}"

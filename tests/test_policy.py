@@ -234,14 +234,18 @@ def test_saturated_cpus_hold_without_adding():
 # Above the band: give back one notch at a time
 
 
-def test_above_band_gives_back_workers_first():
+def test_above_band_gives_back_all_the_modelled_slack_in_one_step():
     stats = window(0, 10, stall_fraction=0.0, worker_ms=20, cpu_fraction=0.2)
     decision = decide(cfg(16, 4), stats, ROOMY)
-    # at most half the workers in one notch; prefetch untouched while workers can go
-    assert decision.config == cfg(8, 4)
+    # one window: down to the fewest workers with the full headroom (20 ms / 10 ms x 1.2 = 2.4), prefetch kept
+    assert decision.config == cfg(3, 4)
     assert decision.verdict == Verdict.COMPUTE_BOUND
     assert decision.reason.kind == ReasonKind.GIVE_BACK_WORKERS
-    assert (decision.reason["workers"], decision.reason["to_workers"]) == (16, 8)
+    assert (decision.reason["workers"], decision.reason["to_workers"]) == (16, 3)
+    # confirmed slack with an idle queue: workers to the band's top and prefetch to the default, together
+    history = [record(0, cfg(16, 4), stats, cfg(16, 4))]
+    confirmed = decide(cfg(16, 4), stats, ROOMY, history)
+    assert confirmed.config == cfg(2, 2) and "prefetch 4 -> 2" in str(confirmed.reason)
 
 
 def test_above_band_gives_back_prefetch_when_workers_cannot_go():
