@@ -36,13 +36,19 @@ class DataLoaderTuner(Callback):
 
     Every training batch is timed with a few clock reads: the **fetch wait** (the loop blocked in
     ``next()`` on the train loader; never validation, checkpointing or logging) and the **step time**
-    (``on_train_batch_start`` to ``on_train_batch_end``). At each epoch end (after validation) the
-    callback reduces them across ranks, logs them, and asks the band policy for the next loader
-    config; with a :class:`~lightning_dltune.TunableDataModule` the train and val loaders are rebuilt
-    with it at the next epoch start. The first epoch also decides once after
-    ``first_decision_after`` batches and switches the training loaders right away.
+    (``on_train_batch_start`` to ``on_train_batch_end``). Batches are measured in **windows** of at
+    least ``window_batches`` batches and ``window_seconds`` seconds (the fit's first window: the first
+    ``first_decision_after`` batches). A window closes anywhere in an epoch, and at every epoch end:
+    the callback reduces it across ranks, logs it, and asks the band policy for the next loader config;
+    with a :class:`~lightning_dltune.TunableDataModule` the training loaders switch to it right there
+    (no batch lost or repeated; validation loaders follow at their next run). Under DDP every rank
+    closes the same window at the same batch index and applies the same config.
 
-    Logged per epoch under ``dltune/`` (TensorBoard gets a ready ``dltune`` custom-scalars section;
+    The policy judges a config on its recent windows pooled, drops them when the newest window shows
+    new conditions (storage, step or starvation moved by more than their noise), measures a change that
+    looks worse a second time before undoing it, and gives back all modelled slack in one step.
+
+    Logged per window (at the global step where it closed) under ``dltune/`` (TensorBoard gets a ready ``dltune`` custom-scalars section;
     any other Lightning logger gets the same scalars):
 
     - ``starvation_ratio``: Σ fetch wait / Σ (fetch wait + step time), of the most starved rank (its
@@ -91,9 +97,12 @@ class DataLoaderTuner(Callback):
         min_gain: relative throughput gain that makes a change worth keeping.
         max_prefetch_factor: deepest prefetch the tuner picks.
         nvml_poll_interval_s: seconds between NVML reads during training.
-        first_decision_after: in the first epoch of a fit, decide once after this many batches and
-            move the training loaders to the new config right away, mid-epoch (no batch is lost or
-            repeated); ``0``: decide at epoch ends only. Skipped for epochs shorter than twice this.
+        first_decision_after: the fit's first window closes after this many batches (the start config is
+            judged early, and the loaders switch right away); ``0``: the first window is a regular one.
+        window_batches: fewest batches in a window. The default suits a ~100 ms accelerator step: 50
+            batches, 5 s, about 30 NVML samples.
+        window_seconds: shortest window, in seconds at the last window's pace (fast steps get more
+            batches per window, so that a window averages over noise and NVML samples); ``0``: batches only.
         verbose: print the per-epoch line and the final table.
         recommendation_file: write ``dltune_recommendation.yaml`` in the logger's log dir at the end of
             fit (not without a logger nor under ``fast_dev_run``, where Lightning suppresses logging).

@@ -140,6 +140,8 @@ def test_util_source_nvml_without_a_gpu_warns_and_estimates(trainer_kwargs):
         (dict(memory_fraction=0), "memory_fraction"),
         (dict(shm_fraction=1.5), "shm_fraction"),
         (dict(max_rebuilds=-1), "max_rebuilds"),
+        (dict(window_batches=0), "window_batches"),
+        (dict(window_seconds=-1.0), "window_seconds"),
         (dict(max_prefetch_factor=0), "max_prefetch_factor"),
         (dict(min_gain=1.0), "min_gain"),
         (dict(nvml_poll_interval_s=-0.1), "nvml_poll_interval_s"),

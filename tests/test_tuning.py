@@ -8,6 +8,9 @@ direction of each change and generous ratios. How close and how fast the tuner c
 against the pipeline simulator (``tests/test_policy.py``) and measured by ``benchmarks/tuning.py``.
 """
 
+import subprocess
+import sys
+
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -83,3 +86,57 @@ def test_a_resumed_fit_starts_with_the_tuned_config(trainer_kwargs, tmp_path):
     trainer.fit(SleepStepModule(step_s=0.01), datamodule=fresh, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert sorted({r.epoch for r in resumed.history}) == [0, 1, 2]  # history came back with the checkpoint
     assert resumed.history[-1].config == tuned  # the resumed epoch ran the tuned config from its start
+
+
+def test_one_long_epoch_whose_storage_slows_half_way_gets_more_workers_before_it_ends(trainer_kwargs):
+    # a single 600-batch epoch (the shape of a real job: few, long epochs); storage latency x4 after 3.5 s
+    dm = SleepyDataModule(train_length=2400, val_length=4, batch_cost_s=0.015, batch_size=4, num_workers=0,
+                          dataset_kwargs={"slow_after_s": 3.5, "slower": 4.0})
+    tuner = DataLoaderTuner(verbose=False, window_batches=30, window_seconds=0.5)
+    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.01, epochs=1, tuner=tuner)
+    windows = tuner.history
+    assert len(windows) >= 6 and all(r.epoch == 0 for r in windows)
+    assert all(r.end_batch for r in windows[:-1])  # windows closed mid-epoch, the last one at its end
+    slowed = next(i for i, r in enumerate(windows) if r.stats.worker_batch_s and r.stats.worker_batch_s > 0.035)
+    before = windows[slowed - 1].next_config.num_workers
+    # answered within two windows of the change, in the same epoch, with more workers
+    assert any(r.next_config.num_workers > before for r in windows[slowed : slowed + 3]), [
+        (r.config.num_workers, round(r.starvation_ratio, 2), str(r.reason)[:80]) for r in windows]
+    assert windows[-1].config.num_workers > before
+    assert windows[-1].starvation_ratio < windows[slowed].starvation_ratio
+
+
+class _CpuHog(pl.Callback):
+    """Other processes take every CPU for the length of one epoch (a noisy neighbour on a shared node)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch, self.hogs = epoch, []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            self.hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        elif self.hogs:
+            self.stop()
+
+    def stop(self):
+        for hog in self.hogs:
+            hog.kill()
+            hog.wait()
+        self.hogs = []
+
+
+def test_a_noisy_neighbour_for_one_epoch_does_not_leave_the_tuner_on_a_worse_config(trainer_kwargs):
+    dm = SleepyDataModule(train_length=480, val_length=4, batch_cost_s=0.03, batch_size=4, num_workers=0)
+    hog = _CpuHog(epoch=2)
+    tuner = DataLoaderTuner(verbose=False, window_batches=30, window_seconds=0.5)
+    try:
+        tuner, _ = _fit(trainer_kwargs, dm, step_s=0.01, epochs=6, tuner=tuner, extra_callbacks=[hog])
+    finally:
+        hog.stop()
+    before = [r for r in tuner.history if r.epoch == 1]
+    after = [r for r in tuner.history if r.epoch == 5]
+    rate = lambda records: sorted(r.samples_per_s for r in records)[len(records) // 2]  # noqa: E731
+    trail = [(r.epoch, r.config.num_workers, round(r.starvation_ratio, 2), str(r.reason)[:70]) for r in tuner.history]
+    # the epoch after the neighbour left runs at least as well as the one before it came, give or take noise
+    assert rate(after) >= 0.8 * rate(before), trail
+    assert after[-1].config.num_workers >= min(r.config.num_workers for r in before) - 1, trail

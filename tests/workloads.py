@@ -23,16 +23,21 @@ class SleepyDataset(Dataset):
     """``length`` samples of ``dim`` floats; producing one batch sleeps ``batch_cost_s`` (``__getitems__``).
 
     Every ``slow_every``-th batch (by first index) costs ``slow_factor`` times more (bursty storage).
+    From ``slow_after_s`` seconds after the dataset was made on, every batch costs ``slower`` times more
+    (storage that slows down mid-fit; wall-clock time is the same in every worker process).
     """
 
     def __init__(self, length: int = 256, dim: int = 8, batch_cost_s: float = 0.0, slow_every: int = 0,
-                 slow_factor: float = 1.0, fail_in_worker_above: Optional[int] = None) -> None:
+                 slow_factor: float = 1.0, fail_in_worker_above: Optional[int] = None,
+                 slow_after_s: Optional[float] = None, slower: float = 1.0) -> None:
         self.length = length
         self.dim = dim
         self.batch_cost_s = batch_cost_s
         self.slow_every = slow_every
         self.slow_factor = slow_factor
         self.fail_in_worker_above = fail_in_worker_above
+        self.slow_at = None if slow_after_s is None else time.time() + slow_after_s
+        self.slower = slower
 
     def __len__(self) -> int:
         return self.length
@@ -51,6 +56,8 @@ class SleepyDataset(Dataset):
         cost = self.batch_cost_s
         if self.slow_every and (indices[0] // max(1, len(indices))) % self.slow_every == 0:
             cost *= self.slow_factor
+        if self.slow_at is not None and time.time() >= self.slow_at:
+            cost *= self.slower
         if cost:
             time.sleep(cost)
         return [self[i] for i in indices]
