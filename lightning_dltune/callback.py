@@ -19,6 +19,7 @@ from lightning_dltune.datamodule import TunableDataModule
 from lightning_dltune.distributed import reduce_across_ranks
 from lightning_dltune.gpu import MODE_SAMPLES
 from lightning_dltune.handoff import SpawnHandoff
+from lightning_dltune.history import detect_shift, same_conditions
 from lightning_dltune.metrics import log_interval, log_window, window_scalars
 from lightning_dltune.policy import decide
 from lightning_dltune.probe import WindowProbe
@@ -184,6 +185,7 @@ class DataLoaderTuner(Callback):
         self._restored_config: Optional[LoaderConfig] = None
         self._worker_cap: Optional[int] = None  # lowered when a switch rolled back; saved in checkpoints
         self._window_end = -1  # batch index of this epoch at which the open window closes (-1: at the epoch end)
+        self._peek_at = -1  # batch index of the open window's next look for new conditions (-1: none)
         self._next_window = self.first_decision_after or self.window_batches  # batches of the next window
         self._measuring = False  # the probe measures this epoch (set at its start, or at its first batch)
         self._last_step_logged = -1
@@ -291,6 +293,8 @@ class DataLoaderTuner(Callback):
             self._log_interval(trainer)
         if batch_idx == self._window_end:
             self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
+        elif batch_idx == self._peek_at:
+            self._peek(trainer, pl_module, batch_idx)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -359,18 +363,35 @@ class DataLoaderTuner(Callback):
         epoch length, or a single process) and, when tuning, where the loaders can switch right there
         (map-style data through our loaders). The last window of an epoch takes the epoch's tail when the
         tail would be shorter than half a window (the fit's first window: shorter than the window itself).
+        A window longer than ``window_batches`` (``window_seconds`` at a fast step) also looks for new
+        conditions every ``window_batches`` batches, and closes early when it finds them.
         """
+        self._peek_at = -1
         batches = trainer.num_training_batches
         if not math.isfinite(batches) and trainer.world_size > 1:
             return -1
         if self._tuning and not self._probe.switchable:
             return -1
         length = self._next_window if (self._history or self._tuning) else self.window_batches
+        if self._tuning and self._history and length > self.window_batches:
+            self._peek_at = first_batch + self.window_batches - 1
         end = first_batch + length - 1
         tail = length if not self._history else math.ceil(length / 2)
         if math.isfinite(batches) and batches - (end + 1) < tail:
             return -1
         return end
+
+    def _peek(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+        """Part-way through a long window: close it now if conditions changed (every rank reaches this batch)."""
+        config = self._probe.config
+        stats = reduce_across_ranks(trainer.strategy, self._probe.local_stats(), trainer.world_size, pl_module.device)
+        prior = same_conditions(self._history, config) if config is not None else []
+        if prior and stats.fetches and detect_shift(prior, stats, config.num_workers) is not None:  # type: ignore[union-attr]
+            self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
+            return
+        self._peek_at = batch_idx + self.window_batches
+        if self._window_end != -1 and self._peek_at >= self._window_end:
+            self._peek_at = -1
 
     def _budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
         held = self._datamodule.held_workers() if self._datamodule is not None else None

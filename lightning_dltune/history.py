@@ -247,6 +247,21 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -
     return None
 
 
+def same_conditions(history: Sequence[WindowRecord], config: LoaderConfig) -> list[WindowStats]:
+    """The latest windows that ran ``config`` in a row, up to ``POOLED_WINDOWS``, if the next window runs it too.
+
+    What a window of ``config`` opening now is compared with to spot new conditions (:func:`detect_shift`).
+    """
+    if not history or history[-1].next_config != config:
+        return []
+    run: list[WindowStats] = []
+    for record in reversed(history):
+        if record.config != config or len(run) == POOLED_WINDOWS:
+            break
+        run.append(record.stats)
+    return run[::-1]
+
+
 def _signals(workers: int) -> list[tuple[str, Callable[[WindowStats], Optional[float]], float]]:
     def cost(w: WindowStats) -> Optional[float]:
         if w.worker_batch_s is not None:
