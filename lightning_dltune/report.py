@@ -21,8 +21,7 @@ VERBOSE_LINE = 1
 VERBOSE_REASON = 2
 """``verbose`` level that also prints each window's numbers and reason on a second line."""
 
-STEP_NOTE = ("step: on_train_batch_start to on_train_batch_end, hook to hook (forward, backward, optimizer"
-             " step and other callbacks' hooks)")
+STEP_NOTE = "on_train_batch_start to on_train_batch_end, hook to hook: forward, backward, optimizer, callbacks"
 
 
 def is_estimate(record: WindowRecord) -> bool:
@@ -111,7 +110,8 @@ def summary_table(history: Sequence[WindowRecord], recommended: Optional[WindowR
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="lightning-dltune: loader tuning", title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(title="lightning-dltune: loader tuning", title_justify="left", box=box.SIMPLE_HEAD,
+                  show_edge=False, pad_edge=False)
     columns = ("epoch", "batches", "workers", "prefetch", "GPU busy", "judged", "starved", "step ms",
                "samples/s", "verdict")
     for column in columns:
@@ -121,14 +121,14 @@ def summary_table(history: Sequence[WindowRecord], recommended: Optional[WindowR
         judged = "" if r.judged_util is None else f"{est}{r.judged_util:.0%}"
         table.add_row(
             str(r.epoch), batches, str(r.config.num_workers), str(r.config.prefetch_factor),
-            f"{est}{s.utilization:.0%}", judged, f"{s.starvation_ratio:.0%}", f"{1e3 * s.step_mean_s:,.1f}",
+            f"{est}{s.utilization:.0%}", judged, f"{s.starvation_ratio:.0%}", f"{1e3 * s.step_mean_s:,.0f}",
             f"{s.samples_per_s:,.0f}", str(r.verdict),
         )
     buffer = io.StringIO()
     console = Console(file=buffer, width=120, force_terminal=False, color_system=None)
     console.print(table)
     notes = ["judged: the GPU busy value the verdict judged (this window pooled with the config's recent ones)",
-             f"step ms: the mean {STEP_NOTE}"]
+             f"step ms: the mean step, {STEP_NOTE}"]
     if any(is_estimate(r) for r in history):
         notes.append("~: an estimate, 1 - starved (no NVML: the GPU is taken to idle while the loop waits for data)")
     for note in notes:

@@ -17,15 +17,14 @@ def tag(name: str) -> str:
 
 def utilization_title(estimate: bool) -> str:
     """The headline chart's title; where NVML cannot serve, it says the values are the estimate."""
-    what = "GPU busy (estimate: 1 - starvation)" if estimate else "GPU utilization (NVML)"
-    return f"{what}: raw and judged vs band"
+    return ("GPU busy (estimate) vs band: raw, judged" if estimate else "GPU utilization vs band: raw, judged")
 
 
 def custom_scalars_layout(estimate: bool = False, recent: bool = False) -> dict[str, dict[str, list]]:
     """The layout for :meth:`torch.utils.tensorboard.SummaryWriter.add_custom_scalars`.
 
     Two categories, the headline first: utilization (raw and the value the verdict judged) against
-    the band's edges, throughput and workers; then the detail. One unit per chart, so no series
+    the band's edges, starvation, throughput and workers; then the detail. One unit per chart, so no series
     flattens another. ``estimate``: utilization is ``1 - starvation`` (no NVML), and the title says
     so. ``recent``: ``log_every_n_steps`` is on, so the ``dltune/recent/*`` series join their charts.
     Each tag is written as an anchored pattern: TensorBoard matches chart tags as regular expressions
@@ -46,13 +45,12 @@ def _charts(estimate: bool, recent: bool) -> dict[str, dict[str, list[str]]]:
     with_recent = (lambda *names: [tag(RECENT + n) for n in names]) if recent else (lambda *names: [])
     headline = {
         utilization_title(estimate): [tag("gpu_util"), tag("gpu_util_judged"), tag("band_low"), tag("band_high")],
+        "starvation ratio (0-1)": [tag("starvation_ratio"), *with_recent("starvation_ratio")],
         "throughput (samples/s)": [tag("samples_per_s"), *with_recent("samples_per_s")],
         "workers (processes)": [tag("num_workers")],
     }
     detail = {
-        "starvation and stall fraction (0-1)": [
-            tag("starvation_ratio"), tag("stall_fraction"), *with_recent("starvation_ratio")
-        ],
+        "stall fraction (0-1 of fetches)": [tag("stall_fraction")],
         "fetch wait vs step time, hook to hook (ms)": [
             tag("fetch_wait_ms"), tag("step_ms"), tag("fetch_wait_p95_ms"), tag("step_p95_ms")
         ],
