@@ -21,7 +21,7 @@ VERBOSE_LINE = 1
 VERBOSE_REASON = 2
 """``verbose`` level that also prints each window's numbers and reason on a second line."""
 
-STEP_NOTE = "on_train_batch_start to on_train_batch_end, hook to hook: forward, backward, optimizer, callbacks"
+STEP_NOTE = "on_train_batch_start to on_train_batch_end (hook to hook: forward, backward, optimizer, callbacks)"
 
 
 def is_estimate(record: WindowRecord) -> bool:
@@ -128,7 +128,7 @@ def summary_table(history: Sequence[WindowRecord], recommended: Optional[WindowR
     console = Console(file=buffer, width=120, force_terminal=False, color_system=None)
     console.print(table)
     notes = ["judged: the GPU busy value the verdict judged (this window pooled with the config's recent ones)",
-             f"step ms: the mean step, {STEP_NOTE}"]
+             f"step ms: mean of {STEP_NOTE}"]
     if any(is_estimate(r) for r in history):
         notes.append("~: an estimate, 1 - starved (no NVML: the GPU is taken to idle while the loop waits for data)")
     for note in notes:
