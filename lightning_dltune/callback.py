@@ -23,7 +23,9 @@ from lightning_dltune.metrics import log_interval, log_window, window_scalars
 from lightning_dltune.policy import decide
 from lightning_dltune.probe import WindowProbe
 from lightning_dltune.records import Budget, PolicySettings, WindowRecord
-from lightning_dltune.report import VERBOSE_LINE, VERBOSE_REASON, epoch_line, recommend, summary_table, write_recommendation
+from lightning_dltune.report import (
+    VERBOSE_LINE, VERBOSE_REASON, epoch_line, recommend, summary_table, write_recommendation,
+)
 from lightning_dltune.stats import UtilSource
 from lightning_dltune.tensorboard import custom_scalars_layout
 from lightning_dltune.torch_internals import describe_failure
@@ -71,8 +73,8 @@ class DataLoaderTuner(Callback):
       ``n`` steps of rank zero.
 
     The console gets one short line per window (through the progress bar when one is shown) and, at the
-    end of fit, a table of every window and the recommended config, also written to ``dltune_recommendation.yaml`` in the
-    log dir as a LightningCLI config fragment. :attr:`history` holds this fit's windows; a tuner used
+    end of fit, a table of every window and the recommended config, also written to
+    ``dltune_recommendation.yaml`` in the log dir as a LightningCLI config fragment. :attr:`history` holds this fit's windows; a tuner used
     for a second fit starts afresh (the earlier fits' windows move to :attr:`previous_fits`).
 
     Args:
@@ -105,9 +107,9 @@ class DataLoaderTuner(Callback):
     Raises:
         ValueError: for a band other than two numbers with ``0 < low < high <= 1``, an unknown
             ``util_source``, a negative threshold, interval or count, fractions outside ``(0, 1]``,
-            ``min_gain`` outside ``[0, 1)``, ``verbose`` outside ``0..2``. A wrong type (a string for a bool, a float for a count)
-            raises :class:`~lightning_dltune.validation.ArgumentTypeError`, a ``TypeError`` that is
-            also a ``ValueError``. Every message names the argument, the value and what is allowed.
+            ``min_gain`` outside ``[0, 1)``, ``verbose`` outside ``0..2``. A wrong type (a string for a
+            bool, a float for a count) raises :class:`~lightning_dltune.validation.ArgumentTypeError`, a
+            ``TypeError`` that is also a ``ValueError``. Every message names the argument, the value and what is allowed.
 
     Example::
 

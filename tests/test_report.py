@@ -74,7 +74,8 @@ def nvml(stats: WindowStats, util: float) -> WindowStats:
 def test_the_console_line_is_short_and_the_reason_comes_at_verbose_2():
     r = decided(window(41, worker_batch_s=0.041, worker_cpu_fraction=0.1), end_batch=10, step=10)
     line = epoch_line(r, tuning=True)
-    assert line == "[dltune] epoch 0 to batch 10 | workers 0 -> 5, prefetch 2 | GPU busy 20% (estimate) | data-bound (I/O)"
+    assert line == ("[dltune] epoch 0 to batch 10 | workers 0 -> 5, prefetch 2 | GPU busy 20% (estimate)"
+                    " | data-bound (I/O)")
     first, second = epoch_line(r, tuning=True, verbose=2).split("\n")
     assert first == line
     assert "samples/s" in second and "step 10 ms (hook to hook)" in second and second.endswith(str(r.reason))
