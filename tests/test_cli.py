@@ -159,8 +159,9 @@ def test_users_own_lightning_cli_takes_the_callback_and_a_tunable_datamodule(tmp
     # the YAML's arguments took effect: never past max_workers=3, no recommendation file written
     import re
 
-    assert max(int(w) for w in re.findall(r"workers=(\d+)", output)) <= 3
-    assert any(re.search(r"next: workers=[1-3]", l) for l in lines)  # starved at 0 workers: it tuned
+    counts = re.findall(r"workers=(\d+)", output) + re.findall(r"workers (?:\d+ -> )?(\d+)", "\n".join(lines))
+    assert counts and max(int(w) for w in counts) <= 3
+    assert any(re.search(r"\| workers 0 -> [1-3],", l) for l in lines)  # starved at 0 workers: it tuned
     assert not list(tmp_path.rglob("dltune_recommendation.yaml"))
 
 
