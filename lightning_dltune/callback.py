@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -24,7 +24,9 @@ from lightning_dltune.metrics import log_interval, log_window, window_scalars
 from lightning_dltune.policy import decide
 from lightning_dltune.probe import WindowProbe
 from lightning_dltune.records import Budget, PolicySettings, WindowRecord
-from lightning_dltune.report import epoch_line, recommend, summary_table, write_recommendation
+from lightning_dltune.report import (
+    VERBOSE_LINE, VERBOSE_REASON, epoch_line, recommend, summary_table, write_recommendation,
+)
 from lightning_dltune.stats import UtilSource
 from lightning_dltune.tensorboard import custom_scalars_layout
 from lightning_dltune.torch_internals import describe_failure
@@ -49,8 +51,9 @@ class DataLoaderTuner(Callback):
     new conditions (storage, step or starvation moved by more than their noise), measures a change that
     looks worse a second time before undoing it, and gives back all modelled slack in one step.
 
-    Logged per window (at the global step where it closed) under ``dltune/`` (TensorBoard gets a ready ``dltune`` custom-scalars section;
-    any other Lightning logger gets the same scalars):
+    Logged per window under ``dltune/``, at the step where the window closed, on the x Lightning logs
+    that batch's own metrics at (TensorBoard gets ready ``dltune: headline`` and ``dltune: detail``
+    custom-scalars sections; any other Lightning logger gets the same scalars):
 
     - ``starvation_ratio``: Σ fetch wait / Σ (fetch wait + step time), of the most starved rank (its
       waits and step times are the job's: the others wait for it at the gradient all-reduce).
@@ -60,9 +63,10 @@ class DataLoaderTuner(Callback):
       driver's sample buffer served the window and 0 when polled utilization rates did (a device
       whose driver keeps no samples). Validation, checkpoint saving and loader start-up are not
       training: NVML time from a pause until the next training batch starts is left out.
-      ``band_low`` / ``band_high`` draw the band.
+      ``gpu_util_judged`` is the utilization the verdict judged (this window pooled with the config's
+      recent windows); ``band_low`` / ``band_high`` draw the band.
     - ``fetch_wait_ms``, ``fetch_wait_p50_ms``, ``fetch_wait_p95_ms``, ``step_ms``, ``step_p50_ms``,
-      ``step_p95_ms``: per-batch mean and percentiles.
+      ``step_p95_ms``: per-batch mean and percentiles; a step is measured hook to hook.
     - ``stalls``, ``stall_fraction``: fetches that found no ready batch. Exact for loaders built by
       :class:`~lightning_dltune.TunableDataModule`; for other loaders a fetch that waited more than
       ``stall_threshold_ms``.
@@ -71,12 +75,13 @@ class DataLoaderTuner(Callback):
       wait), ``worker_batch_ms`` (a worker's time to make one batch, tunable loaders only).
     - ``num_workers``, ``prefetch_factor``, ``rebuilds``; and, in TensorBoard, the verdict and reason
       as text (``dltune/decision``).
-    - With ``log_every_n_steps``: ``dltune/step/starvation_ratio``, ``dltune/step/fetch_wait_ms``,
-      ``dltune/step/step_ms``, ``dltune/step/stalls`` over the last ``n`` steps of rank zero.
+    - With ``log_every_n_steps``: ``dltune/recent/starvation_ratio``, ``dltune/recent/samples_per_s``,
+      ``dltune/recent/fetch_wait_ms``, ``dltune/recent/step_ms``, ``dltune/recent/stalls`` over the last
+      ``n`` steps of rank zero.
 
-    The console gets one line per window (through the progress bar when one is shown) and, at the end
-    of fit, a table and the recommended config, also written to ``dltune_recommendation.yaml`` in the
-    log dir as a LightningCLI config fragment. :attr:`history` holds this fit's windows; a tuner used
+    The console gets one short line per window (through the progress bar when one is shown) and, at the
+    end of fit, a table of every window and the recommended config, also written to
+    ``dltune_recommendation.yaml`` in the log dir as a LightningCLI config fragment. :attr:`history` holds this fit's windows; a tuner used
     for a second fit starts afresh (the earlier fits' windows move to :attr:`previous_fits`).
 
     Args:
@@ -104,16 +109,17 @@ class DataLoaderTuner(Callback):
             batches, 5 s, about 30 NVML samples.
         window_seconds: shortest window, in seconds at the last window's pace (fast steps get more
             batches per window, so that a window averages over noise and NVML samples); ``0``: batches only.
-        verbose: print the per-epoch line and the final table.
+        verbose: ``0``/``False``: print nothing; ``1``/``True``: one short line per window and the final
+            table; ``2``: also each window's throughput, fetch wait, step time and reason.
         recommendation_file: write ``dltune_recommendation.yaml`` in the logger's log dir at the end of
             fit (not without a logger nor under ``fast_dev_run``, where Lightning suppresses logging).
 
     Raises:
         ValueError: for a band other than two numbers with ``0 < low < high <= 1``, an unknown
             ``util_source``, a negative threshold, interval or count, fractions outside ``(0, 1]``,
-            ``min_gain`` outside ``[0, 1)``. A wrong type (a string for a bool, a float for a count)
-            raises :class:`~lightning_dltune.validation.ArgumentTypeError`, a ``TypeError`` that is
-            also a ``ValueError``. Every message names the argument, the value and what is allowed.
+            ``min_gain`` outside ``[0, 1)``, ``verbose`` outside ``0..2``. A wrong type (a string for a
+            bool, a float for a count) raises :class:`~lightning_dltune.validation.ArgumentTypeError`, a
+            ``TypeError`` that is also a ``ValueError``. Every message names the argument, the value and what is allowed.
 
     Example::
 
@@ -143,7 +149,7 @@ class DataLoaderTuner(Callback):
         first_decision_after: int = 10,
         window_batches: int = 50,
         window_seconds: float = 3.0,
-        verbose: bool = True,
+        verbose: Union[bool, int] = True,
         recommendation_file: bool = True,
     ) -> None:
         super().__init__()
@@ -160,7 +166,7 @@ class DataLoaderTuner(Callback):
         self.max_workers = validation.count("max_workers", max_workers, 0, optional=True)
         self.memory_fraction = validation.fraction("memory_fraction", memory_fraction, zero=False)
         self.shm_fraction = validation.fraction("shm_fraction", shm_fraction, zero=False)
-        self.verbose = validation.flag("verbose", verbose)
+        self.verbose = validation.level("verbose", verbose, VERBOSE_REASON)
         self.recommendation_file = validation.flag("recommendation_file", recommendation_file)
         # max_rebuilds, min_gain and max_prefetch_factor are checked by PolicySettings
         self.settings = PolicySettings(
@@ -257,7 +263,8 @@ class DataLoaderTuner(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_custom_scalars(custom_scalars_layout())
+                    estimate = self._probe.sampler is None or not self._probe.sampler.available
+                    logger.experiment.add_custom_scalars(custom_scalars_layout(estimate, self.log_every_n_steps > 0))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -417,12 +424,12 @@ class DataLoaderTuner(Callback):
         directory = trainer.log_dir if writes else None  # a collective under DDP: every rank asks
         if not trainer.is_global_zero:
             return
-        if self.verbose:
+        if self.verbose >= VERBOSE_LINE:
             say(trainer, summary_table(self._history, best))
         if writes and directory:
-            note = f"measured {best.samples_per_s:,.0f} samples/s at epoch {best.epoch} ({best.verdict})"
+            note = f"measured {best.samples_per_s:,.0f} samples/s, the median of its windows ({best.verdict})"
             self.recommendation_path = write_recommendation(directory, best.config, note)
-            if self.verbose:
+            if self.verbose >= VERBOSE_LINE:
                 say(trainer, f"[dltune] recommendation written to {self.recommendation_path}")
 
     # ------------------------------------------------------------------ logging
@@ -430,15 +437,15 @@ class DataLoaderTuner(Callback):
         mode = self._probe.sampler.window_mode if self._probe.sampler is not None else None
         scalars = window_scalars(record, self.band, self._rebuilds, None if mode is None else mode == MODE_SAMPLES)
         log_window(trainer, record, scalars, tuning=self.tune)
-        if self.verbose:
-            say(trainer, epoch_line(record, tuning=self._tuning))
+        if self.verbose >= VERBOSE_LINE:
+            say(trainer, epoch_line(record, tuning=self._tuning, verbose=self.verbose))
 
     def _log_interval(self, trainer: pl.Trainer) -> None:
         if trainer.global_step == self._last_step_logged or self._probe.meter.interval_batches == 0:
             return
         self._last_step_logged = trainer.global_step
         if trainer.is_global_zero:
-            log_interval(trainer, self._probe.meter)
+            log_interval(trainer, self._probe.meter, self._probe.samples_per_step)
         self._probe.meter.reset_interval()
 
     def _say_once(self, trainer: Any, key: str, text: str, warn: bool = False, all_ranks: bool = False) -> None:

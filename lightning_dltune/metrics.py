@@ -1,6 +1,7 @@
 """The scalars the tuner logs, by their stable ``dltune/`` names: one set per window, one per step interval.
 
-:func:`log_window` and :func:`log_interval` hand them to every logger of the trainer (rank zero calls them).
+:func:`log_window` and :func:`log_interval` hand them to every logger of the trainer (rank zero calls them),
+at the x Lightning itself logs that batch's metrics at (:func:`lightning_step`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from lightning_dltune.measurement import WindowMeter
 from lightning_dltune.records import WindowRecord
 from lightning_dltune.report import decision_markdown
 from lightning_dltune.stats import UtilSource
-from lightning_dltune.tensorboard import tag
+from lightning_dltune.tensorboard import RECENT, tag
 
 
 def window_scalars(
@@ -28,6 +29,7 @@ def window_scalars(
     metrics = {
         "starvation_ratio": s.starvation_ratio,
         "gpu_util": s.utilization,
+        "gpu_util_judged": s.utilization if record.judged_util is None else record.judged_util,
         "util_from_nvml": 1.0 if s.util_source == UtilSource.NVML else 0.0,
         "band_low": band[0],
         "band_high": band[1],
@@ -54,28 +56,41 @@ def window_scalars(
     return {tag(k): v for k, v in metrics.items()}
 
 
-def interval_scalars(meter: WindowMeter) -> dict[str, float]:
-    """The last steps since the meter's interval was reset (``log_every_n_steps``)."""
+def interval_scalars(meter: WindowMeter, samples_per_step: int) -> dict[str, float]:
+    """The last steps since the meter's interval was reset (``log_every_n_steps``), as ``dltune/recent/*``."""
     busy = meter.interval_fetch_wait_s + meter.interval_step_s
     n = max(meter.interval_batches, 1)
     return {
-        tag("step/starvation_ratio"): meter.interval_fetch_wait_s / busy if busy > 0 else 0.0,
-        tag("step/fetch_wait_ms"): 1e3 * meter.interval_fetch_wait_s / n,
-        tag("step/step_ms"): 1e3 * meter.interval_step_s / n,
-        tag("step/stalls"): float(meter.interval_stalls),
+        tag(RECENT + "starvation_ratio"): meter.interval_fetch_wait_s / busy if busy > 0 else 0.0,
+        tag(RECENT + "samples_per_s"): meter.interval_batches * samples_per_step / busy if busy > 0 else 0.0,
+        tag(RECENT + "fetch_wait_ms"): 1e3 * meter.interval_fetch_wait_s / n,
+        tag(RECENT + "step_ms"): 1e3 * meter.interval_step_s / n,
+        tag(RECENT + "stalls"): float(meter.interval_stalls),
     }
 
 
+def lightning_step(global_step: int) -> int:
+    """The x Lightning logs a training batch's metrics at, given ``trainer.global_step`` after that batch.
+
+    Lightning logs a batch's ``on_step`` values, the validation that follows it and the epoch's
+    ``on_epoch`` values at the count of batches stepped *before* the batch finished (its fit loop
+    steps back by one for the epoch-end metrics): ``global_step - 1`` once the optimizer stepped.
+    """
+    return max(global_step - 1, 0)
+
+
 def log_window(trainer: Any, record: WindowRecord, scalars: dict[str, float], tuning: bool) -> None:
-    """A window's scalars to every logger, and its decision as text to TensorBoard (``dltune/decision``)."""
+    """A window's scalars to every logger at the step it closed, and its decision as TensorBoard text."""
+    x = lightning_step(trainer.global_step if record.step is None else record.step)
     for logger in trainer.loggers:
-        logger.log_metrics(scalars, step=trainer.global_step)
+        logger.log_metrics(scalars, step=x)
         if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_text("dltune/decision", decision_markdown(record, tuning), trainer.global_step)
+            logger.experiment.add_text("dltune/decision", decision_markdown(record, tuning), x)
 
 
-def log_interval(trainer: Any, meter: WindowMeter) -> None:
-    """The last steps' scalars to every logger."""
-    scalars = interval_scalars(meter)
+def log_interval(trainer: Any, meter: WindowMeter, samples_per_step: int) -> None:
+    """The last steps' scalars to every logger, beside Lightning's own ``log_every_n_steps`` points."""
+    scalars = interval_scalars(meter, samples_per_step)
+    x = lightning_step(trainer.global_step)
     for logger in trainer.loggers:
-        logger.log_metrics(scalars, step=trainer.global_step)
+        logger.log_metrics(scalars, step=x)

@@ -155,6 +155,11 @@ class WindowProbe:
             self.meter.record_startup(now - self._wall0)
             self.fetcher_missing = not time_fit_loop_fetches(trainer, self.meter)
 
+    @property
+    def samples_per_step(self) -> int:
+        """Samples of one training step (every train loader's batch together); 0 before the first batch."""
+        return self._batch_size
+
     # -- window end ------------------------------------------------------------------------------
     def local_stats(self) -> WindowStats:
         """This rank's stats of the window so far (before any cross-rank reduction)."""

@@ -87,6 +87,18 @@ def flag(name: str, value: Any, *, optional: bool = False) -> Optional[bool]:
     return value
 
 
+def level(name: str, value: Any, highest: int) -> int:
+    """A verbosity level: ``False``/``True`` (0/1) or an integer in ``0..highest``."""
+    allowed = f"True, False or an integer in 0..{highest}"
+    if isinstance(value, bool):
+        return int(value)
+    if not isinstance(value, int):
+        raise _type_error(name, value, allowed)
+    if not 0 <= value <= highest:
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
+    return value
+
+
 def choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
     """One of ``choices``."""
     options = tuple(choices)

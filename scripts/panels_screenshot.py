@@ -3,9 +3,12 @@
     .venv/bin/python scripts/panels_screenshot.py                      # runs the demo, then shoots
     .venv/bin/python scripts/panels_screenshot.py --logdir logs/demo   # shoots an existing run
 
-It starts ``tensorboard --logdir`` on 127.0.0.1 (a free port), opens the custom-scalars dashboard in
-headless Chromium at TensorBoard's default settings and writes the PNG (default:
-``docs/panels.png``). Needs the ``chromium`` browser (Debian: ``apt-get install chromium``).
+The demo fit (the JPEG pipeline started at ``num_workers=0``, 4 epochs) decides early in its first
+epoch and at every epoch end, and logs ``dltune/recent/*`` every 10 steps: several windows and a few
+dozen step points. It starts ``tensorboard --logdir`` on 127.0.0.1 (a free port), opens the
+custom-scalars dashboard in headless Chromium at TensorBoard's default settings (smoothing 0.6,
+"ignore outliers" on) and writes the PNG (default: ``docs/panels.png``). Needs the ``chromium``
+browser (Debian: ``apt-get install chromium``).
 """
 
 from __future__ import annotations
@@ -85,10 +88,10 @@ def shoot(logdir: Path, out: Path, width: int, height: int, wait_ms: int) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logdir", type=Path, help="an existing log dir (default: run the demo first)")
-    parser.add_argument("--epochs", type=int, default=3, help="demo epochs when no --logdir is given")
+    parser.add_argument("--epochs", type=int, default=4, help="demo epochs when no --logdir is given")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "panels.png")
     parser.add_argument("--width", type=int, default=1400)
-    parser.add_argument("--height", type=int, default=2200)
+    parser.add_argument("--height", type=int, default=2450)
     parser.add_argument("--wait-ms", type=int, default=20000, help="browser time for the page to render")
     args = parser.parse_args()
     if args.logdir is None:

@@ -18,7 +18,7 @@ EPOCH_TAGS = [
     "dltune/fetch_wait_ms", "dltune/fetch_wait_p50_ms", "dltune/fetch_wait_p95_ms", "dltune/step_ms",
     "dltune/step_p50_ms", "dltune/step_p95_ms", "dltune/stalls", "dltune/stall_fraction", "dltune/queue_depth",
     "dltune/samples_per_s", "dltune/startup_ms", "dltune/worker_batch_ms", "dltune/num_workers",
-    "dltune/prefetch_factor", "dltune/rebuilds",
+    "dltune/prefetch_factor", "dltune/rebuilds", "dltune/gpu_util_judged",
 ]
 
 
@@ -35,15 +35,15 @@ def test_tensorboard_gets_the_layout_every_scalar_and_the_decisions(trainer_kwar
     _small_fit(trainer_kwargs, tuner, logger=TensorBoardLogger(str(tmp_path / "tb")))
     logged = scalars(str(tmp_path / "tb"))
     for name in EPOCH_TAGS:
-        assert len(logged[name]) == 2, name  # one point per epoch
-    assert all(t in logged for t in ["dltune/step/starvation_ratio", "dltune/step/fetch_wait_ms"])
-    charts = {c.title: c for c in layout(str(tmp_path / "tb")).category[0].chart}
-    assert layout(str(tmp_path / "tb")).category[0].title == "dltune"
-    margin = charts["GPU utilization vs band"].margin.series[0]
-    assert (margin.value, margin.lower, margin.upper) == ("dltune/gpu_util", "dltune/band_low", "dltune/band_high")
-    assert set(layout_tags()) <= set(logged)  # every panel has data
+        assert len(logged[name]) == 2, name  # one point per window: here, per epoch
+    assert all(t in logged for t in ["dltune/recent/starvation_ratio", "dltune/recent/samples_per_s"])
+    categories = layout(str(tmp_path / "tb")).category
+    assert [c.title for c in categories] == ["dltune: headline", "dltune: detail"]
+    assert list(categories[0].chart[0].multiline.tag) == [
+        "dltune/gpu_util$", "dltune/gpu_util_judged$", "dltune/band_low$", "dltune/band_high$"]
+    assert set(layout_tags(recent=True)) <= set(logged)  # every panel has data
     decisions = texts(str(tmp_path / "tb"))
-    assert len(decisions) == 2 and "epoch 0" in decisions[0]
+    assert len(decisions) == 2 and "epoch 0" in decisions[0] and "(estimate)" in decisions[0]
     assert logged["dltune/band_low"][0][1] == pytest.approx(0.85)
 
 
@@ -63,9 +63,21 @@ def test_fit_without_logger_prints_one_line_per_epoch_and_a_table(trainer_kwargs
         _small_fit(trainer_kwargs, tuner)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[dltune] epoch")]
     assert len(lines) == 2
-    assert "starvation" in lines[0] and "samples/s" in lines[0] and "(estimate)" in lines[0]
+    assert "workers 0" in lines[0] and "GPU busy" in lines[0] and "(estimate)" in lines[0]
+    assert all(len(line) <= 120 for line in lines)
     assert any("recommended: workers=" in r.getMessage() for r in caplog.records)
     assert len(tuner.history) == 2
+
+
+def test_verbose_2_adds_the_reason_and_0_prints_nothing(trainer_kwargs, caplog):
+    with caplog.at_level(logging.INFO):
+        _small_fit(trainer_kwargs, DataLoaderTuner(verbose=2))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[dltune] epoch")]
+    assert len(said) == 2 and all("hook to hook" in text.splitlines()[1] for text in said)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        _small_fit(trainer_kwargs, DataLoaderTuner(verbose=0))
+    assert not [r for r in caplog.records if "[dltune]" in r.getMessage() or "loader tuning" in r.getMessage()]
 
 
 def test_history_holds_what_users_read(trainer_kwargs):

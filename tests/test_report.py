@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.history import best_config
 from lightning_dltune.policy import decide
 from lightning_dltune.records import Budget, Reason, ReasonKind, Verdict, WindowRecord
-from lightning_dltune.report import _WORDS, epoch_line, reason_text, recommend, summary_table
-from lightning_dltune.stats import WindowStats
+from lightning_dltune.report import _WORDS, decision_markdown, epoch_line, reason_text, recommend, summary_table
+from lightning_dltune.stats import UtilSource, WindowStats
 
 
 def window(fetch_ms: float, step_ms: float = 10, batches: int = 100, **fields) -> WindowStats:
@@ -31,7 +33,8 @@ def test_every_reason_kind_has_words():
 def test_a_reason_is_worded_with_its_numbers():
     decision = decide(LoaderConfig(), window(41, worker_batch_s=0.041, worker_cpu_fraction=0.1), Budget(32, cpus=64))
     text = reason_text(decision.reason)
-    assert text == "starved 80% with 0 workers; a worker needs 41 ms per batch vs 10 ms step: 5 workers"
+    assert text == ("starved 80% with 0 workers; a worker needs 41 ms per batch vs a 10 ms step (hook to hook):"
+                    " 5 workers")
     assert str(decision.reason) == text
 
 
@@ -58,10 +61,60 @@ def test_the_best_config_is_the_leanest_within_min_gain_of_the_best_median():
     assert decide(LoaderConfig(num_workers=2), window(2.1), Budget(32, cpus=64), history[:-1]).best == cited.config
 
 
-def test_the_console_line_and_the_table_show_the_verdict_and_the_reason():
-    decision = decide(LoaderConfig(), window(41), Budget(32, cpus=64))
-    r = WindowRecord(0, LoaderConfig(), window(41), decision.verdict, decision.reason, decision.config, end_batch=10)
+def decided(stats: WindowStats, config: LoaderConfig = LoaderConfig(), **where) -> WindowRecord:
+    decision = decide(config, stats, Budget(32, cpus=64))
+    return WindowRecord(0, config, stats, decision.verdict, decision.reason, decision.config,
+                        judged_util=decision.judged_util, **where)
+
+
+def nvml(stats: WindowStats, util: float) -> WindowStats:
+    return replace(stats, gpu_util=util, util_source=UtilSource.NVML)
+
+
+def test_the_console_line_is_short_and_the_reason_comes_at_verbose_2():
+    r = decided(window(41, worker_batch_s=0.041, worker_cpu_fraction=0.1), end_batch=10, step=10)
     line = epoch_line(r, tuning=True)
-    assert "| data-bound (I/O) |" in line and line.endswith(str(decision.reason))
-    table = summary_table([r], r)
-    assert "data-bound (I/O)" in table and "recommended: workers=0" in table
+    assert line == ("[dltune] epoch 0 to batch 10 | workers 0 -> 5, prefetch 2 | GPU busy 20% (estimate)"
+                    " | data-bound (I/O)")
+    first, second = epoch_line(r, tuning=True, verbose=2).split("\n")
+    assert first == line
+    assert "samples/s" in second and "step 10 ms (hook to hook)" in second and second.endswith(str(r.reason))
+
+
+@pytest.mark.parametrize("workers", [1, 8, 16])
+@pytest.mark.parametrize("util", [None, 0.62])
+def test_console_lines_stay_under_120_characters_and_say_worker_counts_in_english(workers, util):
+    stats = window(20, worker_batch_s=0.08, worker_cpu_fraction=0.9)
+    stats = stats if util is None else nvml(stats, util)
+    for end_batch in (None, 250):
+        r = decided(stats, LoaderConfig(num_workers=workers), end_batch=end_batch)
+        r = replace(r, epoch=12, next_config=LoaderConfig(num_workers=workers + 4))
+        line = epoch_line(r, tuning=True)
+        assert len(line) <= 120, line
+        assert "1 workers" not in line + str(r.reason)
+
+
+def test_an_estimate_says_so_in_the_line_the_reason_and_the_decision_text():
+    estimated = decided(window(0.2, worker_batch_s=0.005))  # 98 % busy by 1 - starvation
+    for text in (epoch_line(estimated, tuning=True, verbose=2), decision_markdown(estimated, tuning=True)):
+        assert "GPU busy 98% (estimate)" in text and "GPU 98% busy" not in text
+    measured = decided(nvml(window(0.2, worker_batch_s=0.005), 0.93))
+    for text in (epoch_line(measured, tuning=True, verbose=2), decision_markdown(measured, tuning=True)):
+        assert "GPU 93% busy" in text and "estimate" not in text
+
+
+def test_the_table_tells_each_windows_story_and_cites_the_median_window():
+    first = decided(window(41), end_batch=10, step=10)
+    rest = replace(decided(window(41)), step=25, judged_util=0.5)
+    later = replace(decided(nvml(window(2), 0.9)), epoch=1, step=50)
+    table = summary_table([first, rest, later], first)
+    rows = {line.split()[1]: line for line in table.splitlines() if line.strip()[:1].isdigit()}
+    assert set(rows) == {"1-10", "11-end", "1-end"}
+    assert "~20%" in rows["1-10"] and "~50%" in rows["11-end"] and "data-bound (I/O)" in rows["1-10"]
+    assert "90%" in rows["1-end"] and "~" not in rows["1-end"]
+    assert "hook to hook" in table and "~: an estimate" in table
+    assert "recommended: workers=0" in table and "its median window: epoch 0 to batch 10" in table
+    assert max(len(line) for line in table.splitlines()) <= 120
+    cpu_bound = replace(later, verdict=Verdict.DATA_BOUND_CPU, config=LoaderConfig(num_workers=12, prefetch_factor=8))
+    row = [line for line in summary_table([cpu_bound], None).splitlines() if "data-bound" in line]
+    assert row and row[0].rstrip().endswith("data-bound (CPU saturated)")  # a row is one line

@@ -60,6 +60,8 @@ def test_set_loader_config_takes_only_a_loader_config():
         (dict(max_workers=2.0), r"`max_workers` must be an integer >= 0 or None, got 2.0"),
         (dict(min_gain=1.0), r"`min_gain` must be a number in \[0, 1\), got 1.0"),
         (dict(max_rebuilds=True), r"`max_rebuilds` must be an integer >= 0"),
+        (dict(verbose=3), r"`verbose` must be True, False or an integer in 0..2, got 3"),
+        (dict(verbose="loud"), r"`verbose` must be True, False or an integer in 0..2, got 'loud'"),
     ],
 )
 def test_bad_tuner_arguments_name_the_argument_and_what_is_allowed(kwargs, says):
@@ -88,3 +90,8 @@ def test_rank_budget_checks_through_the_same_rules():
         rank_budget(memory_fraction=0)
     with pytest.raises(TypeError, match=r"`local_ranks` must be an integer >= 1 or None, got 1.5"):
         rank_budget(local_ranks=1.5)
+
+
+@pytest.mark.parametrize(("given", "level"), [(False, 0), (True, 1), (0, 0), (1, 1), (2, 2)])
+def test_verbose_takes_a_bool_or_a_level(given, level):
+    assert DataLoaderTuner(verbose=given).verbose == level
