@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
-from phases import EpochFlag, band_reached  # noqa: E402
-from workloads import WORKLOADS, LatencyDataset, make_dataset  # noqa: E402
+
+def _benchmark_modules():
+    """``benchmarks/phases.py`` and ``benchmarks/workloads.py``, without shadowing the tests' own ``workloads``."""
+    names = ("workloads", "phases")
+    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        return importlib.import_module("phases"), importlib.import_module("workloads")
+    finally:
+        sys.path.remove(BENCHMARKS)
+        for name in names:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+_phases, _workloads = _benchmark_modules()
+EpochFlag, band_reached = _phases.EpochFlag, _phases.band_reached
+WORKLOADS, LatencyDataset, make_dataset = _workloads.WORKLOADS, _workloads.LatencyDataset, _workloads.make_dataset
 
 
 def test_drift_slows_samples_from_the_middle_of_the_epoch_whatever_its_length():
