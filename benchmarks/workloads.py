@@ -15,6 +15,17 @@ a sleep is exactly that). Each workload's data side costs something known per sa
 - ``bursty``: 8 ms a batch, but every 10th batch takes 10x (80 ms): on average one worker keeps up
   with the 20 ms step, yet the slow batch starves the loop unless enough batches are prefetched.
 
+Three workloads whose conditions change during the fit (continuous control):
+
+- ``drift-epoch``: ONE long epoch of 900 batches; 1.25 ms of latency per sample (40 ms a batch, ~2-3
+  workers), 3x from batch 450 on (120 ms a batch, ~6-7 workers). Unshuffled, so the slowdown sits at
+  sample indices ``>= 450 x batch size`` whatever the worker count. Judged on batches 450-899.
+- ``slow-at-epoch``: 1 ms of latency per sample (32 ms a batch), 3x from epoch 3 on. The workers learn
+  the epoch from a file the training process writes at each epoch start (persistent workers do not see
+  attributes set in the training process). Judged on epochs 3 to the end.
+- ``noisy-neighbour``: the CPU-bound JPEG pipeline while a CPU hog (one busy-looping process) runs
+  during epoch 3 only. Judged on the whole fit.
+
 :func:`build` turns a :class:`Workload` into the model and the :class:`~lightning_dltune.TunableDataModule`
 a benchmark fit runs.
 """
@@ -67,6 +78,12 @@ class Workload:
         memory_budget_mb: bytes prefetched batches may hold, stated to the tuner through its
             ``memory_fraction``; ``None``: the tuner's default (half of available RAM).
         grid_workers, grid_prefetch: the static configs the oracle is picked from.
+        epochs: epochs of this workload's fits, where they differ from the run's (a one-epoch workload).
+        slow_factor: how much slower samples get once the workload slows down.
+        slow_from_fraction: samples slow down from this fraction of each epoch's batches on (by index).
+        slow_from_epoch: samples slow down from this epoch on.
+        hog_epoch: a CPU hog runs during this epoch (started at its start, ended at the next epoch's).
+        full_grid_epochs: grid points run every epoch (the hog's epoch must be in them).
     """
 
     name: str
@@ -85,10 +102,45 @@ class Workload:
     grid_workers: tuple[int, ...] = (0, 1, 2, 4, 8)
     grid_prefetch: tuple[int, ...] = (1, 2, 4)
     extra: dict[str, Any] = field(default_factory=dict)
+    epochs: Optional[int] = None
+    slow_factor: float = 1.0
+    slow_from_fraction: Optional[float] = None
+    slow_from_epoch: Optional[int] = None
+    hog_epoch: Optional[int] = None
+    full_grid_epochs: bool = False
 
     def scaled(self, train_batches: int) -> "Workload":
         """The same workload with ``train_batches`` batches per epoch (quick mode)."""
         return replace(self, train_batches=train_batches)
+
+    @property
+    def phased(self) -> bool:
+        """Whether the workload slows down during the fit (judged on the part after the change)."""
+        return self.slow_from_fraction is not None or self.slow_from_epoch is not None
+
+    @property
+    def slow_from_batch(self) -> Optional[int]:
+        """The first slow batch of an epoch (``slow_from_fraction``), ``None`` where the epoch does not change."""
+        if self.slow_from_fraction is None:
+            return None
+        return round(self.slow_from_fraction * self.train_batches)
+
+    def phase_start(self) -> int:
+        """The fit's first slow training batch, counted over the whole fit (0 for an unchanging workload)."""
+        if self.slow_from_epoch is not None:
+            return self.slow_from_epoch * self.train_batches
+        return self.slow_from_batch or 0
+
+    def slowed_throughout(self) -> "Workload":
+        """The judged phase alone: the slow cost from the first batch on (what the phase's oracle is picked on).
+
+        A one-epoch drift keeps only its slow batches; an epoch-boundary slowdown is slow from epoch 0.
+        """
+        if self.slow_from_fraction is not None:
+            return replace(self, train_batches=self.train_batches - (self.slow_from_batch or 0), slow_from_fraction=0.0)
+        if self.slow_from_epoch is not None:
+            return replace(self, slow_from_epoch=0)
+        return self
 
     @property
     def sample_bytes(self) -> int:
@@ -157,8 +209,54 @@ WORKLOADS: dict[str, Workload] = {
             burst_every=10,
             grid_prefetch=(1, 2, 4, 8),
         ),
+        Workload(
+            name="drift-epoch",
+            summary="one long epoch whose storage gets 3x slower half-way",
+            cost=("1.25 ms latency per sample x 32 = 40 ms per batch, x3 (120 ms) from batch 450 of 900; one epoch;"
+                  " step 20 ms"),
+            kind="latency",
+            batch_size=32,
+            train_batches=900,
+            sample_latency_ms=1.25,
+            epochs=1,
+            slow_factor=3.0,
+            slow_from_fraction=0.5,
+            grid_workers=(2, 4, 6, 8),
+            grid_prefetch=(2, 4),
+        ),
+        Workload(
+            name="slow-at-epoch",
+            summary="storage gets 3x slower from epoch 3 on",
+            cost="1 ms latency per sample x 32 = 32 ms per batch, x3 (96 ms) from epoch 3; step 20 ms",
+            kind="latency",
+            batch_size=32,
+            train_batches=48,
+            sample_latency_ms=1.0,
+            slow_factor=3.0,
+            slow_from_epoch=3,
+            grid_workers=(0, 1, 2, 4, 6, 8),
+        ),
+        Workload(
+            name="noisy-neighbour",
+            summary="the JPEG pipeline while a CPU hog runs during epoch 3",
+            cost=("decode + augment as cpu-bound (~40 ms CPU per batch); one busy-looping process during epoch 3;"
+                  " step 20 ms"),
+            kind="jpeg",
+            batch_size=32,
+            train_batches=60,  # ~3-4 s an epoch: the hog's epoch weighs in the fit
+            hog_epoch=3,
+            full_grid_epochs=True,
+            grid_workers=(0, 1, 2, 3, 4),
+            grid_prefetch=(2,),
+        ),
     )
 }
+
+EPOCH_FILE_ENV = "DLTUNE_BENCH_EPOCH_FILE"
+"""Names the file in which the training process writes the current epoch (read by ``slow-at-epoch``'s workers)."""
+
+HOG_MARK = "dltune-bench-cpu-hog"
+"""In the command line of the CPU hog, so that memory sampling leaves the neighbour's process out."""
 
 
 # ------------------------------------------------------------------------------------------ datasets
@@ -166,21 +264,46 @@ class LatencyDataset(Dataset):
     """``length`` samples of ``shape`` float32; each costs ``sample_latency_s`` of waiting (storage).
 
     The tensor itself is filled in place (about 0.1 ms per MB of CPU), so large samples also cost
-    what a real loader pays to materialise them.
+    what a real loader pays to materialise them. Samples get ``slow_factor`` x slower from index
+    ``slow_from_index`` on, or once the epoch written in ``epoch_file`` reaches ``slow_from_epoch``
+    (read per sample: the workers' copy of the dataset cannot see the training process's attributes).
     """
 
-    def __init__(self, length: int, shape: tuple[int, ...], sample_latency_s: float = 0.0) -> None:
+    def __init__(self, length: int, shape: tuple[int, ...], sample_latency_s: float = 0.0, *,
+                 slow_factor: float = 1.0, slow_from_index: Optional[int] = None,
+                 slow_from_epoch: Optional[int] = None, epoch_file: Optional[str] = None) -> None:
         self.length = length
         self.shape = tuple(shape)
         self.sample_latency_s = sample_latency_s
+        self.slow_factor = slow_factor
+        self.slow_from_index = slow_from_index
+        self.slow_from_epoch = slow_from_epoch
+        self.epoch_file = epoch_file
 
     def __len__(self) -> int:
         return self.length
 
+    def _slow(self, index: int) -> bool:
+        if self.slow_from_index is not None and index >= self.slow_from_index:
+            return True
+        return self.slow_from_epoch is not None and current_epoch(self.epoch_file) >= self.slow_from_epoch
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        if self.sample_latency_s:
-            time.sleep(self.sample_latency_s)
+        latency = self.sample_latency_s * (self.slow_factor if self._slow(index) else 1.0)
+        if latency:
+            time.sleep(latency)
         return torch.full(self.shape, float(index % 997) / 997.0), index
+
+
+def current_epoch(epoch_file: Optional[str]) -> int:
+    """The epoch the training process last wrote to ``epoch_file`` (0 before the first write)."""
+    if not epoch_file:
+        return 0
+    try:
+        with open(epoch_file) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 class BurstyDataset(Dataset):
@@ -241,8 +364,17 @@ def make_dataset(workload: Workload, train: bool) -> Dataset:
         return BurstyDataset(length, workload.sample_shape, workload.batch_size, workload.batch_cost_ms / 1e3,
                              workload.burst_every)
     if workload.kind == "latency":
-        latency = workload.sample_latency_ms / 1e3 if train else 0.0
-        return LatencyDataset(length, workload.sample_shape, latency)
+        if not train:
+            return LatencyDataset(length, workload.sample_shape)
+        slow_from = workload.slow_from_batch
+        epoch_file = os.environ.get(EPOCH_FILE_ENV) if workload.slow_from_epoch is not None else None
+        if workload.slow_from_epoch is not None and workload.slow_from_epoch > 0 and not epoch_file:
+            raise RuntimeError(f"{workload.name} needs ${EPOCH_FILE_ENV}: the file its workers read the epoch from")
+        return LatencyDataset(
+            length, workload.sample_shape, workload.sample_latency_ms / 1e3, slow_factor=workload.slow_factor,
+            slow_from_index=None if slow_from is None else slow_from * workload.batch_size,
+            slow_from_epoch=workload.slow_from_epoch, epoch_file=epoch_file,
+        )
     raise ValueError(f"unknown workload kind {workload.kind!r}")
 
 

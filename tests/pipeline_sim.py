@@ -12,13 +12,15 @@ does not already assume.
 * At most ``W x prefetch_factor`` batches are outstanding: batch ``i + W x prefetch_factor`` is handed
   out when the loop takes batch ``i``. The loop takes batches in order.
 * **CPU sharing**: the CPUs are processor-shared among the workers that are in their CPU phase *at that
-  moment* and the training process while it steps (``main_cpu`` of a core); with ``n`` runnable workers
-  on ``C`` cores each runs at ``min(1, C / (n + main))`` of a core. Workers waiting on storage or for
-  room in the queue take no CPU.
-* The training step takes ``step_s`` (an accelerator step: CPU contention does not slow it).
-* ``W = 0``: the training process makes each batch inside the fetch, alone on its core.
+  moment*, the training process while it steps (``main_cpu`` of a core) and ``busy_cores`` other
+  processes that never rest (a neighbour's job); with ``n`` runnable workers on ``C`` cores each runs at
+  ``min(1, C / (n + main + busy))`` of a core. Workers waiting on storage or for room in the queue take no CPU.
+* The training step takes ``step_s`` (an accelerator step: CPU contention does not slow it) times
+  ``step_slowdown`` (a scenario's way to say that a busy host slows the training process's own step too).
+* ``W = 0``: the training process makes each batch inside the fetch, sharing the cores with ``busy_cores``.
 * Noise: each window draws one drift for production and one for the step, and each batch jitters on
-  top; both uniform within ``+-noise``.
+  top; both uniform within ``+-noise``. ``step_jitter`` adds a per-batch step jitter of its own
+  (uniform within ``+-step_jitter``, from its own random stream: the other draws do not move).
 
 It measures the window as the callback does: per-batch fetch waits (the first fetch is start-up, not
 wait), step times, stalls (the batch was not ready when asked), queue depth (ready batches not yet
@@ -54,10 +56,15 @@ class Pipeline:
         batch_bytes: bytes of one collated batch.
         burst_every: every this many batches one costs ``burst_factor`` times as much; ``0``: no bursts.
         burst_factor: cost multiplier of a burst batch.
+        burst_random: bursts fall at random, each batch one with chance ``1 / burst_every`` (a heavy tail),
+            rather than on every ``burst_every``-th batch.
         noise: relative jitter (``0.05`` is +-5 %) of every production and step time, per window and per batch.
         measured: whether the loader reports ``worker_batch_s`` / ``worker_cpu_fraction`` (one we built).
         main_cpu: cores the training process uses while it steps.
         main_measured: whether the window reports the training process's CPU share.
+        step_jitter: relative per-batch jitter of the step alone (``0.3`` is +-30 %), independent of ``noise``.
+        busy_cores: other processes competing for the cores all the time (a CPU hog is ``1.0``).
+        step_slowdown: factor on every step (contention slowing the training process itself).
     """
 
     cpu_s: float
@@ -71,6 +78,10 @@ class Pipeline:
     measured: bool = True
     main_cpu: float = 1.0
     main_measured: bool = False
+    burst_random: bool = False
+    step_jitter: float = 0.0
+    busy_cores: float = 0.0
+    step_slowdown: float = 1.0
 
     @property
     def cpu_share(self) -> float:
@@ -78,14 +89,26 @@ class Pipeline:
         total = self.cpu_s + self.io_s
         return self.cpu_s / total if total > 0 else 0.0
 
-    def steady_utilization(self, workers: int, cores: float) -> float:
+    def steady_utilization(self, workers: int, cores: float, prefetch_factor: int = 2) -> float:
         """``1 - starvation`` of a long noise-free window at ``workers`` workers (the simulator's own answer)."""
-        return _steady(replace(self, noise=0.0), workers, float(cores))
+        return _steady(replace(self, noise=0.0, step_jitter=0.0), workers, float(cores), prefetch_factor)
+
+    def steady_samples_per_s(self, config: LoaderConfig, cores: float) -> float:
+        """Training samples per second of a long noise-free window at ``config`` (bursts and contention kept)."""
+        return _steady_rate(replace(self, noise=0.0, step_jitter=0.0), config.num_workers, config.prefetch_factor,
+                            float(cores))
 
 
 @functools.lru_cache(maxsize=4096)
-def _steady(pipeline: Pipeline, workers: int, cores: float) -> float:
-    return simulate(LoaderConfig(num_workers=workers), pipeline, cores, batches=300).utilization
+def _steady(pipeline: Pipeline, workers: int, cores: float, prefetch_factor: int = 2) -> float:
+    config = LoaderConfig(num_workers=workers, prefetch_factor=prefetch_factor)
+    return simulate(config, pipeline, cores, batches=300).utilization
+
+
+@functools.lru_cache(maxsize=4096)
+def _steady_rate(pipeline: Pipeline, workers: int, prefetch_factor: int, cores: float) -> float:
+    config = LoaderConfig(num_workers=workers, prefetch_factor=prefetch_factor)
+    return simulate(config, pipeline, cores, batches=600).samples_per_s
 
 
 def simulate(
@@ -107,16 +130,29 @@ def simulate(
     noise = pipeline.noise
     drift_production = 1.0 + noise * rng.uniform(-1.0, 1.0)
     drift_step = 1.0 + noise * rng.uniform(-1.0, 1.0)
+    # their own streams (seeded by strings: stable across runs), so that they leave the other draws alone
+    jitter = random.Random(f"{seed}-step-jitter")
+    bursts = random.Random(f"{seed}-bursts")
     total = batches + 1  # batch 0 is the start-up fetch
+    step_s = pipeline.step_s * pipeline.step_slowdown
+    every = pipeline.burst_every
     io, cpu, steps = [], [], []
     for i in range(total):
-        every = pipeline.burst_every
-        burst = pipeline.burst_factor if every and i % every == every - 1 else 1.0
+        if pipeline.burst_random:
+            is_burst = every > 0 and bursts.random() < 1.0 / every
+        else:
+            is_burst = every > 0 and i % every == every - 1
+        burst = pipeline.burst_factor if is_burst else 1.0
         io.append(pipeline.io_s * burst * drift_production * (1.0 + noise * rng.uniform(-1.0, 1.0)))
         cpu.append(pipeline.cpu_s * burst * drift_production * (1.0 + noise * rng.uniform(-1.0, 1.0)))
-        steps.append(pipeline.step_s * drift_step * (1.0 + noise * rng.uniform(-1.0, 1.0)))
+        step = step_s * drift_step * (1.0 + noise * rng.uniform(-1.0, 1.0))
+        if pipeline.step_jitter:
+            step *= 1.0 + pipeline.step_jitter * jitter.uniform(-1.0, 1.0)
+        steps.append(step)
     if config.num_workers == 0:
-        waits = [a + b for a, b in zip(io, cpu)]  # made inside the fetch, alone on the training process's core
+        # made inside the fetch by the training process, which shares the cores with the busy neighbours
+        slower = max(1.0, (1.0 + pipeline.busy_cores) / float(cores))
+        waits = [a + b * slower for a, b in zip(io, cpu)]
         run = _Run(waits, steps, [False] * total, [0] * total, waits, cpu, sum(waits) + sum(steps))
     else:
         run = _run_workers(config, pipeline, float(cores), io, cpu, steps)
@@ -186,7 +222,7 @@ def _run_workers(
         hand_out(i)
     ask()
     while taken < total or step_end is not None:
-        runnable = len(cpu_done) + (pipeline.main_cpu if step_end is not None else 0.0)
+        runnable = len(cpu_done) + (pipeline.main_cpu if step_end is not None else 0.0) + pipeline.busy_cores
         rate = min(1.0, cores / runnable) if runnable > 0 else 1.0
         candidates = [step_end if step_end is not None else float("inf")]
         if io_done:
