@@ -23,7 +23,9 @@ POOLED_WINDOWS = 8  # a config is judged on its last this-many windows in a row:
 CONFIRM_WINDOWS = 2  # a change is judged on this many windows of the new config: one noisy window never undoes it
 RETRY_AFTER_WINDOWS = 16  # a config undone while the machine was busy (the step slowed: contention) may be tried
 # again after this many windows, doubling each time it is undone again; other undos stand until conditions shift
-SHIFT_COST = 0.5  # a per-batch cost that moved by more than this share of its pooled mean ...
+SHIFT_COST = 0.5  # a worker's time per batch that moved by more than this share of its pooled mean ...
+SHIFT_STEP = 0.10  # ... or a step time by more than this share (an accelerator's step is steady: a slower one
+# means a busier host, whose pooled windows would otherwise read as slack) ...
 SHIFT_STARVATION = 0.15  # ... or starvation that moved by more than this (absolute) ...
 SHIFT_SIGMAS = 3.0  # ... and by more than this many standard deviations of the pooled windows: new conditions
 CONTENTION_STEP = 0.25  # a step this much slower than before a change: the machine got busier (or our workers
@@ -93,7 +95,8 @@ class FitHistory:
     prefetch_ceiling: Optional[int]
     last_change: Optional[LastChange]
     best: Optional[LoaderConfig]
-    shift: Optional[Shift] = None  # conditions shifted at the newest window
+    shift: Optional[Shift] = None  # conditions shifted: the newest two windows agree on it
+    suspect: Optional[Shift] = None  # the newest window alone left the config's earlier ones: noise or new conditions
     total_rebuilds: int = 0  # every change of the fit
 
 
@@ -145,16 +148,21 @@ def recall(
     for i, (config, window, next_config) in enumerate(windows):
         if runs and runs[-1].config == config:
             run = runs[-1]
-            prior = [w for _, w, _ in windows[max(run.start, i - POOLED_WINDOWS) : i]]
-            moved = detect_shift(prior, window, config.num_workers)
-            if moved is not None:  # new conditions: what was learned under the old ones is stale
-                conditions_from = i
+            # new conditions when the last two windows both left the config's earlier ones the same way (one
+            # window is noise: a heavy-tailed cost alone moves it); the new run starts with the first of them
+            prior = [w for _, w, _ in windows[max(run.start, i - 1 - POOLED_WINDOWS) : i - 1]]
+            moved = _confirmed_shift(prior, windows[i - 1][1], window, config.num_workers)
+            if moved is not None:  # what was learned under the old conditions is stale
+                conditions_from = i - 1
                 shift = moved if i == n - 1 else None
                 rejected.clear()
                 starved.clear()
                 worker_ceiling = prefetch_ceiling = None
-                run = _Run(i, config)
+                run = _Run(i - 1, config)
                 runs.append(run)
+                pooled[i - 1] = window_before = windows[i - 1][1]
+                if is_starved(window_before, settings) and resources(config) not in starved:
+                    starved.append(resources(config))
         else:
             run = _Run(i, config)
             if runs and windows[i - 1][2] == config:  # a change the policy made
@@ -204,6 +212,10 @@ def recall(
                     prefetch_ceiling = _Strike(kept.prefetch_factor, i, strikes.get(config, 0) + 1, busy)
     now = n - 1
     run = runs[-1]
+    suspect = None
+    if shift is None and now - run.start >= 2:  # the newest window against the (at least two) before it
+        prior = [w for _, w, _ in windows[max(run.start, now - POOLED_WINDOWS) : now]]
+        suspect = detect_shift(prior, windows[now][1], current.num_workers)
     count = min(now - run.start + 1, POOLED_WINDOWS)
     changes = [r.changed for r in history]
     return FitHistory(
@@ -218,6 +230,7 @@ def recall(
         last_change=last_change,
         best=_best([(c, w) for c, w, _ in windows[conditions_from:]], settings.min_gain),
         shift=shift,
+        suspect=suspect,
         total_rebuilds=sum(changes),
     )
 
@@ -227,22 +240,29 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -
 
     Compared: the data side's cost per batch (a worker's time per batch where the loader says it; the
     fetch wait with 0 workers, where the training process makes the batch inside the fetch), the step
-    time, and starvation. A signal moved when it left its pooled mean by more than ``SHIFT_COST`` of it
-    (``SHIFT_STARVATION`` for starvation) and by more than ``SHIFT_SIGMAS`` standard deviations of the
-    prior windows. ``None``: same conditions.
+    time, and, where the cost is unknown, starvation. A signal moved when it left its pooled mean by more than ``SHIFT_COST`` of it
+    (``SHIFT_STEP`` for the step, ``SHIFT_STARVATION`` points for starvation) and by more than
+    ``SHIFT_SIGMAS`` standard deviations of the prior windows, and lies outside all of them.
+    ``None``: same conditions.
     """
     prior = [w for w in prior if w.batches > 0]
     if not prior or new.batches <= 0:
         return None
+    costed = False  # starvation speaks only where the batch's cost cannot: it also moves with bursts and stalls
     for name, signal, floor in _signals(workers):
         values = [v for v in (signal(w) for w in prior) if v is not None]
         now = signal(new)
-        if not values or now is None:
+        if not values or now is None or (name == "starvation" and costed):
             continue
+        costed = costed or name == "batch time"
         mean = sum(values) / len(values)
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        margin = max(floor if name == "starvation" else floor * mean, SHIFT_SIGMAS * spread)
-        if mean > 0 and abs(now - mean) > margin:
+        absolute = name == "starvation"  # a share: it moves by points (from 0, too); costs move by their share
+        if not absolute and mean <= 0:
+            continue
+        margin = max(floor if absolute else floor * mean, SHIFT_SIGMAS * spread)
+        # and outside every earlier window: a heavy-tailed cost makes lucky windows that earlier ones also had
+        if abs(now - mean) > margin and (now > max(values) or now < min(values)):
             return Shift(name, mean, now)
     return None
 
@@ -262,6 +282,18 @@ def same_conditions(history: Sequence[WindowRecord], config: LoaderConfig) -> li
     return run[::-1]
 
 
+def _confirmed_shift(
+    prior: Sequence[WindowStats], first: WindowStats, second: WindowStats, workers: int
+) -> Optional[Shift]:
+    """A shift both ``first`` and ``second`` show against ``prior`` (at least two windows), in the same direction."""
+    if len(prior) < 2:
+        return None
+    a, b = detect_shift(prior, first, workers), detect_shift(prior, second, workers)
+    if a is None or b is None or a.signal != b.signal or (a.now > a.before) != (b.now > b.before):
+        return None
+    return Shift(b.signal, b.before, (a.now + b.now) / 2)
+
+
 def _signals(workers: int) -> list[tuple[str, Callable[[WindowStats], Optional[float]], float]]:
     def cost(w: WindowStats) -> Optional[float]:
         if w.worker_batch_s is not None:
@@ -270,7 +302,7 @@ def _signals(workers: int) -> list[tuple[str, Callable[[WindowStats], Optional[f
 
     return [
         ("batch time", cost, SHIFT_COST),
-        ("step time", lambda w: w.step_mean_s, SHIFT_COST),
+        ("step time", lambda w: w.step_mean_s, SHIFT_STEP),
         ("starvation", lambda w: w.starvation_ratio, SHIFT_STARVATION),
     ]
 

@@ -9,22 +9,29 @@ How :func:`decide` thinks, first rule that applies wins:
 
 1. **Budgets.** A config over ``Budget.max_workers``, the prefetch memory budget or the ``/dev/shm``
    budget is never kept nor picked (prefetch gives way first, then workers).
-2. **Rebuild cap.** After ``max_rebuilds`` changes in this fit, nothing changes any more.
-3. **Judge the last change.** More workers or deeper prefetch that lowered throughput by more than
-   ``min_gain``, or a give-back that left the loop starved below the band, is undone; an undone config
-   is never tried again.
-4. **Below the band and starved:** add throughput, sized by the model so that one rebuild lands near
+2. **New conditions, suspected.** One window unlike the config's earlier ones (a worker's time per
+   batch or the step time off by more than half and three standard deviations, starvation by 15
+   points): hold and measure again. Two in a row that agree are new conditions: what was learned
+   before them is dropped (:func:`~lightning_dltune.history.recall`) and the rules below judge them alone.
+3. **Rebuild cap.** After ``max_rebuilds`` changes under the same conditions, nothing changes any more.
+4. **Judge the last change, on two windows.** More workers or deeper prefetch that lowered throughput
+   by more than ``min_gain``, or a give-back that left the loop starved below the band, is measured
+   again, then undone. An undone config is not tried again under the same conditions (one undone while
+   the step itself slowed, contention, is retried after ``RETRY_AFTER_WINDOWS``); a slower step up
+   of several workers is retried smaller.
+5. **Below the band and starved:** add throughput, sized by the model so that one rebuild lands near
    the answer. Bursty stalls (most fetches find a batch ready, the workers make enough on average) get
-   deeper prefetch; steady starvation gets workers. Workers stop at the CPU saturation point, where the
-   model says more would gain less than ``min_gain``, where the last increase gained less than
-   ``min_gain`` although the model expected at least twice that, or at the budget; memory may cap them.
-5. **Below the band, not starved:** compute-bound; workers cannot help.
-6. **Above the band:** the data side has slack; give back one notch: at most half the workers, the
-   fewest the model says keep utilization at the band's top; then prefetch back to the default of 2
-   where the queue never ran dry. Never down to a config that was starved before. On a single window's
-   evidence only what leaves the workers ``headroom`` ahead of the step; anything closer waits for a
-   second window (slack costs CPU and RAM, starving costs throughput).
-7. **In the band**, or not clearly outside it: hold.
+   deeper prefetch; steady starvation gets workers (at prefetch 1 where prefetched batches weigh on
+   the memory budget). Workers stop at the CPU saturation point, where the model says more would gain
+   less than ``min_gain``, where the last increase gained less than ``min_gain`` although the model
+   expected at least twice that, or at the budget; memory may cap them.
+6. **Below the band, not starved:** compute-bound; workers cannot help.
+7. **Above the band:** the data side has slack; give all of it back in one step: the fewest workers
+   the model says keep utilization at the band's top, and prefetch back to the default of 2 where the
+   queue never ran dry. Never down to a config that was starved under today's conditions, and only on
+   two windows' evidence (slack costs CPU and RAM, starving costs throughput; one lucky window of a
+   heavy-tailed cost is not slack).
+8. **In the band**, or not clearly outside it: hold.
 
 Noise: a config is judged on its last windows in a row pooled together (up to eight), and "clearly
 outside" means beyond the band by ``hysteresis`` plus the standard error of those windows' utilization
@@ -56,6 +63,7 @@ _DEFAULT_PREFETCH = 2  # torch's: prefetch is not given back below it (one batch
 _DRY_QUEUE = 0.05  # prefetch is given back only where at most this fraction of fetches found no batch ready
 # (and the loop waited at most a fifth of that fraction of its time)
 
+_BURSTY_UNKNOWN = 0.25  # most starvation bursts explain when the loader cannot say what a batch costs
 _HEAVY_MEMORY_SHARE = 0.25  # prefetched batches holding more than this share of the memory budget are a cost
 
 _Rule = tuple[LoaderConfig, Verdict, Reason]
@@ -169,13 +177,21 @@ def _apply_rules(
             })
         return clamped, _window_verdict(stats, settings, data_verdict), reason
 
-    # 2. the rebuild cap
+    # 2. one window unlike the config's earlier ones: noise (a heavy tail) or new conditions; acting on it pooled
+    # with the old windows would size from a blend, and judging a change against them would blame the config
+    if fit.suspect is not None:
+        shift = fit.suspect
+        return current, _window_verdict(stats, settings, data_verdict), Reason(ReasonKind.SHIFT_SUSPECTED, {
+            "signal": shift.signal, "before": shift.before, "now": shift.now, "config": pair(current),
+        })
+
+    # 3. the rebuild cap
     if fit.rebuilds >= settings.max_rebuilds:
         return current, _window_verdict(stats, settings, data_verdict), Reason(ReasonKind.REBUILD_CAP, {
             "rebuilds": fit.rebuilds, "config": pair(current), "util": util,
         })
 
-    # 3. judge the last change
+    # 4. judge the last change
     last = fit.last_change
     # going back must itself fit today's budget (a change forced by the budget is not undone)
     can_go_back = (
@@ -201,7 +217,7 @@ def _apply_rules(
                 return current, data_verdict, Reason(ReasonKind.CONFIRM_STARVED, numbers)
             return last.before, data_verdict, Reason(ReasonKind.UNDO_GIVE_BACK, numbers)
 
-    # 4.-7. where the window sits against the band: clearly outside means by the hysteresis plus the pooled
+    # 5.-8. where the window sits against the band: clearly outside means by the hysteresis plus the pooled
     # windows' standard error (twice that above the band: slack costs only CPU and RAM, starving costs
     # throughput), so that a config sitting near an edge does not flip on noise
     if util < low - settings.hysteresis - fit.util_error:
@@ -263,10 +279,12 @@ def _add_throughput(
 
     # bursty: the workers make enough on average, yet some fetches wait: deeper prefetch absorbs bursts
     capacity_ratio = model.capacity(workers) / model.demand if workers else 0.0
+    # (where the loader cannot say what a batch costs, workers that finish together also leave most fetches a
+    # batch ready: only a loop that waits less than a quarter of its time is taken for bursty then)
     bursty = (
         workers > 0
         and stats.stall_fraction < settings.burst_stall_fraction
-        and (stats.worker_batch_s is None or capacity_ratio >= 1.0)
+        and (capacity_ratio >= 1.0 if stats.worker_batch_s is not None else stats.starvation_ratio < _BURSTY_UNKNOWN)
     )
     prefetch_top = min(settings.max_prefetch_factor, fit.prefetch_ceiling or settings.max_prefetch_factor)
     if bursty and prefetch < prefetch_top:
@@ -349,8 +367,7 @@ def _give_back(
     workers, prefetch = current.num_workers, current.prefetch_factor
     verdict = Verdict.COMPUTE_BOUND if starvation < settings.min_starvation else Verdict.IN_BAND
     seen = {"util": util, "windows": fit.windows, "starvation": starvation}
-    # slack costs only CPU and RAM, starving costs throughput: on one window's evidence give back only what
-    # the model says leaves the workers ahead of the step with headroom; near the band's top, wait for a second
+    # slack costs only CPU and RAM, starving costs throughput: give back on two windows' evidence, not one
     confirmed = fit.windows >= 2
 
     def allowed(config: LoaderConfig) -> bool:
@@ -365,9 +382,9 @@ def _give_back(
     shallower = min(prefetch, _DEFAULT_PREFETCH) if workers and queue_idle and confirmed else prefetch
 
     def keeps_band(fewer: int, predicted: float) -> bool:
-        if confirmed:  # the band's top: a model a few points off still keeps the band
-            return predicted >= high
-        return fewer > 0 and model.capacity(fewer) >= settings.headroom * model.demand
+        # on confirmed slack only: one lucky window (no slow batch of a heavy tail in it) is not slack; then down
+        # to the band's top (a model a few points off still keeps the band)
+        return confirmed and predicted >= high
 
     # all the slack the model sees goes back in one step (workers and, where idle, prefetch): slack costs
     # processes and memory for nothing

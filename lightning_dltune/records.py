@@ -28,6 +28,7 @@ class ReasonKind(_StrEnum):
     OVER_WORKERS = "over-workers"  # current config over the worker budget
     OVER_PREFETCH = "over-prefetch"  # current config over the deepest prefetch allowed
     REBUILD_CAP = "rebuild-cap"
+    SHIFT_SUSPECTED = "shift-suspected"  # one window unlike the config's earlier ones: measure again before acting
     UNDO_SLOWER = "undo-slower"  # the last increase lowered throughput (on two windows)
     CONFIRM_SLOWER = "confirm-slower"  # the last increase looks slower on one window: measure again
     CONFIRM_STARVED = "confirm-starved"  # the last give-back looks starved on one window: measure again

@@ -307,6 +307,10 @@ _WORDS = {
         f"giving back to {_short(v['config'])} dropped {_gpu(v)} (band from {v['low']:.0%}), "
         f"starved {v['starvation']:.0%}: back to {_short(v['to'])}"
     ),
+    ReasonKind.SHIFT_SUSPECTED: lambda v: (
+        f"{v['signal']} {_level(v['signal'], v['before'])} -> {_level(v['signal'], v['now'])} in this window alone: "
+        f"holding {_short(v['config'])}, measuring again before acting"
+    ),
     ReasonKind.CONFIRM_SLOWER: lambda v: (
         f"throughput fell {-v['gain']:.0%} ({v['rate_before']:.0f} -> {v['rate']:.0f} samples/s) after "
         f"{_change(v['from'], v['to'])}{_contention(v)}: measuring again before going back"

@@ -237,15 +237,15 @@ def test_saturated_cpus_hold_without_adding():
 def test_above_band_gives_back_all_the_modelled_slack_in_one_step():
     stats = window(0, 10, stall_fraction=0.0, worker_ms=20, cpu_fraction=0.2)
     decision = decide(cfg(16, 4), stats, ROOMY)
-    # one window: down to the fewest workers with the full headroom (20 ms / 10 ms x 1.2 = 2.4), prefetch kept
-    assert decision.config == cfg(3, 4)
+    # one window is not slack yet (a heavy-tailed cost makes lucky windows)
+    assert decision.config == cfg(16, 4) and decision.reason.kind == ReasonKind.SLACK_UNCONFIRMED
     assert decision.verdict == Verdict.COMPUTE_BOUND
-    assert decision.reason.kind == ReasonKind.GIVE_BACK_WORKERS
-    assert (decision.reason["workers"], decision.reason["to_workers"]) == (16, 3)
     # confirmed slack with an idle queue: workers to the band's top and prefetch to the default, together
     history = [record(0, cfg(16, 4), stats, cfg(16, 4))]
     confirmed = decide(cfg(16, 4), stats, ROOMY, history)
     assert confirmed.config == cfg(2, 2) and "prefetch 4 -> 2" in str(confirmed.reason)
+    assert confirmed.reason.kind == ReasonKind.GIVE_BACK_WORKERS
+    assert (confirmed.reason["workers"], confirmed.reason["to_workers"]) == (16, 2)
 
 
 def test_above_band_gives_back_prefetch_when_workers_cannot_go():
@@ -410,9 +410,12 @@ def test_new_conditions_clear_what_the_old_ones_taught():
     history = [record(0, cfg(4), before, cfg(6)), record(1, cfg(6), worse, cfg(6)), record(2, cfg(6), worse, cfg(4))]
     history += [record(3 + i, cfg(4), before, cfg(4)) for i in range(4)]
     slowed = window(60, 10, worker_ms=120, cpu_fraction=0.2)  # storage 3x slower: starved now
-    fit = recall(history, cfg(4), slowed, ROOMY, DEFAULTS)
+    first = recall(history, cfg(4), slowed, ROOMY, DEFAULTS)
+    assert first.shift is None  # one window is noise (a heavy-tailed cost alone moves it) ...
+    history.append(record(7, cfg(4), slowed, cfg(4)))
+    fit = recall(history, cfg(4), slowed, ROOMY, DEFAULTS)  # ... two that agree are new conditions
     assert fit.shift is not None and fit.shift.signal == "batch time" and fit.shift.now > 2.5 * fit.shift.before
-    assert fit.rejected == () and fit.windows == 1  # judged on the new window alone
+    assert fit.rejected == () and fit.windows == 2  # judged on the new windows alone
     decision = decide(cfg(4), slowed, ROOMY, history)
     assert decision.config.num_workers > 6 and decision.reason["shift"][0] == "batch time"
     assert str(decision.reason).startswith("conditions changed (batch time 40 ms -> 120 ms)")
