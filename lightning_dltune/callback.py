@@ -30,6 +30,7 @@ from lightning_dltune.report import (
 from lightning_dltune.stats import UtilSource
 from lightning_dltune.tensorboard import custom_scalars_layout
 from lightning_dltune.torch_internals import describe_failure
+from lightning_dltune.windows import WindowSchedule
 
 UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
 
@@ -190,9 +191,7 @@ class DataLoaderTuner(Callback):
         self._datamodule: Optional[TunableDataModule] = None
         self._restored_config: Optional[LoaderConfig] = None
         self._worker_cap: Optional[int] = None  # lowered when a switch rolled back; saved in checkpoints
-        self._window_end = -1  # batch index of this epoch at which the open window closes (-1: at the epoch end)
-        self._peek_at = -1  # batch index of the open window's next look for new conditions (-1: none)
-        self._next_window = self.first_decision_after or self.window_batches  # batches of the next window
+        self._windows = WindowSchedule(self.window_batches, self.window_seconds, self.first_decision_after)
         self._measuring = False  # the probe measures this epoch (set at its start, or at its first batch)
         self._last_step_logged = -1
         self._notices.reset()
@@ -236,6 +235,9 @@ class DataLoaderTuner(Callback):
         self._start_fit()
         datamodule = trainer.datamodule
         self._datamodule = datamodule if isinstance(datamodule, TunableDataModule) else None
+        # only a tuned fit judges its start early: a monitor's first window is a regular one
+        self._windows = WindowSchedule(self.window_batches, self.window_seconds,
+                                       self.first_decision_after if self._tuning else 0)
         if self.tune and self._datamodule is None:
             self._say_once(trainer, "no-mixin", "DataLoaderTuner: the datamodule is not a TunableDataModule, so its"
                            " loaders cannot be rebuilt; measuring, logging and recommending only.")
@@ -283,7 +285,7 @@ class DataLoaderTuner(Callback):
     def _measure_epoch(self, trainer: pl.Trainer, first_batch: int = 0) -> None:
         self._probe.attach(trainer, self._datamodule)
         self._measuring = True
-        self._window_end = self._plan_window(trainer, first_batch)
+        self._open_window(trainer, first_batch)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -298,10 +300,10 @@ class DataLoaderTuner(Callback):
         self._probe.batch_ended(time.perf_counter())
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
             self._log_interval(trainer)
-        if batch_idx == self._window_end:
+        if batch_idx == self._windows.end:
             self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
-        elif batch_idx == self._peek_at:
-            self._peek(trainer, pl_module, batch_idx)
+        elif batch_idx == self._windows.look:
+            self._look(trainer, pl_module, batch_idx)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -334,11 +336,12 @@ class DataLoaderTuner(Callback):
                 self._say_once(trainer, "no-fetch", f"[dltune] a window of {stats.batches} batch(es) had no fetch"
                                " after the loader's start-up: no verdict; epochs need a few batches to be judged")
             if end_batch is not None:
-                self._window_end = self._plan_window(trainer, end_batch)
+                self._open_window(trainer, end_batch)
             return
         decision = decide(config, stats, self._budget(trainer, pl_module), self._history, self.settings)
         # every rank runs the same numbers; rank zero's answer is the job's, and so is the next window's length
-        decision, self._next_window = trainer.strategy.broadcast((decision, self._window_length(stats)), src=0)
+        decision, self._windows.next_length = trainer.strategy.broadcast(
+            (decision, self._windows.length_after(stats)), src=0)
         record = WindowRecord(trainer.current_epoch, config, stats, decision.verdict, decision.reason,
                               decision.config, end_batch, trainer.global_step, decision.judged_util)
         self._history.append(record)
@@ -355,50 +358,24 @@ class DataLoaderTuner(Callback):
             self._log_window(trainer, record)
         if end_batch is not None:  # the rest of the epoch is measured in windows of the config it runs
             self._probe.start(decision.config if self._tuning else config)
-            self._window_end = self._plan_window(trainer, end_batch)
+            self._open_window(trainer, end_batch)
 
-    def _window_length(self, stats: Any) -> int:
-        """Batches of the next window: at least ``window_batches``, and ``window_seconds`` at the last window's pace."""
-        per_batch = (stats.fetch_wait_total_s + stats.step_total_s) / max(stats.batches, 1)
-        by_time = math.ceil(self.window_seconds / per_batch) if per_batch > 0 else 0
-        return max(self.window_batches, min(by_time, 1 << 20))
-
-    def _plan_window(self, trainer: pl.Trainer, first_batch: int) -> int:
-        """The batch index at which a window opening at ``first_batch`` closes; -1: at the epoch end.
-
-        A window closes in the middle of an epoch only where every rank reaches that batch (a known
-        epoch length, or a single process) and, when tuning, where the loaders can switch right there
-        (map-style data through our loaders). The last window of an epoch takes the epoch's tail when the
-        tail would be shorter than half a window (the fit's first window: shorter than the window itself).
-        A window longer than ``window_batches`` (``window_seconds`` at a fast step) also looks for new
-        conditions every ``window_batches`` batches, and closes early when it finds them.
-        """
-        self._peek_at = -1
+    def _open_window(self, trainer: pl.Trainer, first_batch: int) -> None:
+        """Plan the window opening at ``first_batch``: mid-epoch closes only where every rank reaches the batch
+        (a known epoch length, or one process) and, when tuning, where the loaders can switch right there."""
         batches = trainer.num_training_batches
-        if not math.isfinite(batches) and trainer.world_size > 1:
-            return -1
-        if self._tuning and not self._probe.switchable:
-            return -1
-        length = self._next_window if (self._history or self._tuning) else self.window_batches
-        if self._tuning and self._history and length > self.window_batches:
-            self._peek_at = first_batch + self.window_batches - 1
-        end = first_batch + length - 1
-        tail = length if not self._history else math.ceil(length / 2)
-        if math.isfinite(batches) and batches - (end + 1) < tail:
-            return -1
-        return end
+        mid_epoch = (math.isfinite(batches) or trainer.world_size == 1) and (not self._tuning or self._probe.switchable)
+        self._windows.open(first_batch, batches, mid_epoch, seen=bool(self._history), looks=self._tuning)
 
-    def _peek(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+    def _look(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         """Part-way through a long window: close it now if conditions changed (every rank reaches this batch)."""
         config = self._probe.config
         stats = reduce_across_ranks(trainer.strategy, self._probe.local_stats(), trainer.world_size, pl_module.device)
         prior = same_conditions(self._history, config) if config is not None else []
         if prior and stats.fetches and detect_shift(prior, stats, config.num_workers) is not None:  # type: ignore[union-attr]
             self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
-            return
-        self._peek_at = batch_idx + self.window_batches
-        if self._window_end != -1 and self._peek_at >= self._window_end:
-            self._peek_at = -1
+        else:
+            self._windows.looked(batch_idx)
 
     def _budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
         held = self._datamodule.held_workers() if self._datamodule is not None else None
@@ -460,7 +437,7 @@ class DataLoaderTuner(Callback):
             "rebuilds": self._rebuilds,
             "history": [record.to_dict() for record in self._history],
             "worker_cap": self._worker_cap,
-            "next_window": self._next_window,
+            "next_window": self._windows.next_length,
         }
 
     @override
@@ -469,6 +446,6 @@ class DataLoaderTuner(Callback):
         self._restored_config = LoaderConfig(**config) if config else None
         self._rebuilds = state_dict.get("rebuilds", 0)
         self._worker_cap = state_dict.get("worker_cap")
-        self._next_window = state_dict.get("next_window", self._next_window)
+        self._windows.next_length = state_dict.get("next_window", self._windows.next_length)
         self._history = [WindowRecord.from_dict(d) for d in state_dict.get("history", [])]
 

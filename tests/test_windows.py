@@ -1,0 +1,54 @@
+"""Where windows close: the schedule every rank computes from the same numbers."""
+
+import math
+
+from lightning_dltune.stats import WindowStats
+from lightning_dltune.windows import NO_BATCH, WindowSchedule
+
+
+def paced(per_batch_s: float, batches: int = 50) -> WindowStats:
+    return WindowStats(batches=batches, samples=32 * batches, fetch_wait_total_s=0.0, step_total_s=per_batch_s * batches)
+
+
+def test_the_fits_first_window_is_short_and_needs_an_epoch_twice_as_long():
+    schedule = WindowSchedule(window_batches=50, window_seconds=3.0, first_batches=10)
+    schedule.open(0, epoch_batches=900, mid_epoch=True, seen=False)
+    assert schedule.end == 9
+    schedule.open(0, epoch_batches=19, mid_epoch=True, seen=False)
+    assert schedule.end == NO_BATCH  # the epoch end closes it
+
+
+def test_a_window_is_window_seconds_at_the_last_pace_but_never_under_window_batches():
+    schedule = WindowSchedule(window_batches=50, window_seconds=3.0)
+    assert schedule.length_after(paced(0.100)) == 50  # a 100 ms step: 50 batches are 5 s
+    assert schedule.length_after(paced(0.020)) == 150  # a 20 ms step: 3 s
+    assert schedule.length_after(paced(0.0)) == 50
+
+
+def test_an_epochs_last_window_takes_a_tail_shorter_than_half_a_window():
+    schedule = WindowSchedule(window_batches=50, window_seconds=0.0)
+    schedule.open(100, epoch_batches=170, mid_epoch=True, seen=True)
+    assert schedule.end == NO_BATCH  # 20 batches would be left: the epoch end closes a 70-batch window
+    schedule.open(100, epoch_batches=180, mid_epoch=True, seen=True)
+    assert schedule.end == 149  # 30 left: a window of their own
+    schedule.open(0, epoch_batches=math.inf, mid_epoch=True, seen=True)
+    assert schedule.end == 49  # an epoch of unknown length (one process)
+
+
+def test_where_the_loaders_cannot_switch_or_ranks_may_not_meet_windows_close_at_epoch_ends():
+    schedule = WindowSchedule(window_batches=50, window_seconds=0.0)
+    schedule.open(0, epoch_batches=900, mid_epoch=False, seen=True, looks=True)
+    assert (schedule.end, schedule.look) == (NO_BATCH, NO_BATCH)
+
+
+def test_a_long_window_looks_for_new_conditions_every_window_batches():
+    schedule = WindowSchedule(window_batches=50, window_seconds=3.0)
+    schedule.next_length = schedule.length_after(paced(0.020))  # 150 batches
+    schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
+    assert (schedule.end, schedule.look) == (349, 249)
+    schedule.looked(249)
+    assert schedule.look == 299
+    schedule.looked(299)
+    assert schedule.look == NO_BATCH  # the next look would be the close itself
+    schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=False)
+    assert schedule.look == NO_BATCH  # monitoring only: nothing to act on early
