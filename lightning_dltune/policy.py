@@ -10,8 +10,8 @@ How :func:`decide` thinks, first rule that applies wins:
 1. **Budgets.** A config over ``Budget.max_workers``, the prefetch memory budget or the ``/dev/shm``
    budget is never kept nor picked (prefetch gives way first, then workers).
 2. **New conditions, suspected.** One window unlike the config's earlier ones (a worker's time per
-   batch or the step time off by more than half and three standard deviations, starvation by 15
-   points): hold and measure again. Two in a row that agree are new conditions: what was learned
+   batch off by more than half, the step time by more than a tenth, each beyond three standard
+   deviations; see :func:`~lightning_dltune.history.detect_shift`): hold and measure again. Two in a row that agree are new conditions: what was learned
    before them is dropped (:func:`~lightning_dltune.history.recall`) and the rules below judge them alone.
 3. **Rebuild cap.** After ``max_rebuilds`` changes under the same conditions, nothing changes any more.
 4. **Judge the last change, on two windows.** More workers or deeper prefetch that lowered throughput
@@ -63,7 +63,7 @@ _DEFAULT_PREFETCH = 2  # torch's: prefetch is not given back below it (one batch
 _DRY_QUEUE = 0.05  # prefetch is given back only where at most this fraction of fetches found no batch ready
 # (and the loop waited at most a fifth of that fraction of its time)
 
-_BURSTY_UNKNOWN = 0.25  # most starvation bursts explain when the loader cannot say what a batch costs
+_BURSTY_UNKNOWN = 0.25  # where the loader cannot say what a batch costs, bursts explain at most this starvation
 _HEAVY_MEMORY_SHARE = 0.25  # prefetched batches holding more than this share of the memory budget are a cost
 
 _Rule = tuple[LoaderConfig, Verdict, Reason]
