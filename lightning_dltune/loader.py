@@ -17,6 +17,7 @@ position and sampler order go into Lightning's checkpoints (``state_dict`` / ``l
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Protocol
 
@@ -82,6 +83,28 @@ class ProductionCounters:
 
 # Start of the batch being produced in this process (workers produce one batch at a time).
 _batch_started: Optional[tuple[float, float]] = None
+_quiet_resets = False  # this worker process hides its fd server's resets at shutdown (installed once)
+
+
+def quiet_fd_server_resets() -> None:
+    """In a loader worker: a connection reset in the thread that serves a batch's file descriptors is no error.
+
+    With torch's ``file_descriptor`` sharing a worker hands each batch's storage to the training process
+    through a background server thread (``multiprocessing.resource_sharer``). When the training process
+    stops mid-transfer (Ctrl-C, a shutdown), that thread's ``ConnectionResetError`` would print a traceback
+    from inside torch; every other thread's exception is reported as before.
+    """
+    global _quiet_resets
+    _quiet_resets = True
+    report = threading.excepthook
+
+    def hook(args: Any) -> None:
+        name = getattr(args.thread, "name", "") or ""
+        if issubclass(args.exc_type, (ConnectionError, EOFError)) and name.endswith("(_serve)"):
+            return
+        report(args)
+
+    threading.excepthook = hook
 
 
 class ProbedDataset(Dataset):
@@ -126,6 +149,8 @@ class TimedCollate:
 
     def __call__(self, samples: Any) -> Any:
         global _batch_started
+        if not _quiet_resets and get_worker_info() is not None:
+            quiet_fd_server_resets()
         batch = self.collate_fn(samples)
         if _batch_started is not None:
             wall0, cpu0 = _batch_started

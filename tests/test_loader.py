@@ -74,3 +74,25 @@ def test_a_fit_resumed_mid_epoch_with_another_worker_count_sees_every_remaining_
     assert sorted(epoch_1) == list(range(80))  # the rest of the epoch, no sample twice, none missed
     assert first.train_indices[1] == first.train_indices[1][:28] and len(resumed.train_indices[0]) == 52
     assert sorted(resumed.train_indices[1]) == list(range(80))  # the next epoch is a whole one
+
+
+def test_a_workers_fd_server_reset_at_shutdown_prints_no_traceback(monkeypatch, capsys):
+    import threading
+
+    from lightning_dltune import loader as loader_module
+
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", seen.append)
+    loader_module.quiet_fd_server_resets()
+
+    def fail(exc):
+        raise exc
+
+    # the resource sharer's server thread (torch's file_descriptor sharing) is named after its target
+    server = threading.Thread(target=fail, args=(ConnectionResetError(104, "Connection reset by peer"),),
+                              name="Thread-3 (_serve)")
+    other = threading.Thread(target=fail, args=(ConnectionResetError(104, "reset"),), name="Thread-4 (work)")
+    for thread in (server, other):
+        thread.start()
+        thread.join()
+    assert [args.thread.name for args in seen] == ["Thread-4 (work)"]  # other threads still report
