@@ -78,8 +78,9 @@ def test_thirty_rebuilds_leave_no_extra_processes_or_open_files(trainer_kwargs):
     for epoch, children in enumerate(forcer.children):
         workers = configs[epoch % len(configs)].num_workers
         assert children <= before + 2 * workers, (epoch, children)
-    # open files do not grow with rebuilds (compare epochs with the same config)
-    assert forcer.fds[24:28] == pytest.approx(forcer.fds[4:8], abs=3)
+    # open files do not grow with rebuilds: the last cycle of configs holds no more than an early one (a leak of
+    # one descriptor per rebuild would show +20; a busy machine shifts single samples by a few, either way)
+    assert max(forcer.fds[24:28]) <= max(forcer.fds[4:8]) + 3
     assert len(psutil.Process().children(recursive=True)) == before
 
 
