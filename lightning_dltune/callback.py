@@ -4,31 +4,28 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from lightning_dltune import validation
-from lightning_dltune.budgets import cap_after_failure, clamp_datamodule_start, job_budget
+from lightning_dltune.budgets import clamp_datamodule_start, job_budget
 from lightning_dltune.config import LoaderConfig
+from lightning_dltune.control import TuningRun
 from lightning_dltune.console import Notices, say
 from lightning_dltune.datamodule import TunableDataModule
 from lightning_dltune.distributed import reduce_across_ranks
 from lightning_dltune.gpu import MODE_SAMPLES
 from lightning_dltune.handoff import SpawnHandoff
-from lightning_dltune.history import detect_shift, same_conditions
-from lightning_dltune.metrics import log_interval, log_window, window_scalars
-from lightning_dltune.policy import decide
+from lightning_dltune.metrics import add_panels, log_interval, log_window, window_scalars
 from lightning_dltune.probe import WindowProbe
 from lightning_dltune.records import Budget, PolicySettings, WindowRecord
-from lightning_dltune.report import (
-    VERBOSE_LINE, VERBOSE_REASON, epoch_line, recommend, summary_table, write_recommendation,
-)
-from lightning_dltune.stats import UtilSource
-from lightning_dltune.tensorboard import custom_scalars_layout
+from lightning_dltune.recommendation import conclude_fit
+from lightning_dltune.report import VERBOSE_LINE, VERBOSE_REASON, epoch_line
+from lightning_dltune.stats import UtilSource, WindowStats
 from lightning_dltune.torch_internals import describe_failure
 from lightning_dltune.windows import WindowSchedule
 
@@ -125,8 +122,7 @@ class DataLoaderTuner(Callback):
     Example::
 
         from lightning import Trainer
-        from lightning.pytorch.loggers import TensorBoardLogger
-        from lightning_dltune import DataLoaderTuner
+                from lightning_dltune import DataLoaderTuner
 
         trainer = Trainer(callbacks=[DataLoaderTuner(band=(0.85, 0.95))], logger=TensorBoardLogger("logs"))
         trainer.fit(model, datamodule=datamodule)
@@ -180,18 +176,18 @@ class DataLoaderTuner(Callback):
         self._handoff = SpawnHandoff()
         self._start_fit()
 
-    def _start_fit(self) -> None:
+    def _start_fit(self, datamodule: Optional[TunableDataModule] = None) -> None:
         """Everything that belongs to one fit, fresh (``load_state_dict`` then restores a resumed fit's)."""
-        if getattr(self, "_history", None):
-            self.previous_fits.append(self._history)
-        self._history: list[WindowRecord] = []
-        self._rebuilds = 0
+        previous = getattr(self, "_run", None)
+        if previous is not None and previous.history:
+            self.previous_fits.append(previous.history)
+        # only a tuned fit judges its start early: a monitor's first window is a regular one
+        first = self.first_decision_after if self.tune and datamodule is not None else 0
+        self._run = TuningRun(self.settings, WindowSchedule(self.window_batches, self.window_seconds, first),
+                              datamodule, self.tune)
+        self._run.on_rollback = self._said_rollback
         self._recommended: Optional[LoaderConfig] = None
         self.recommendation_path: Optional[str] = None
-        self._datamodule: Optional[TunableDataModule] = None
-        self._restored_config: Optional[LoaderConfig] = None
-        self._worker_cap: Optional[int] = None  # lowered when a switch rolled back; saved in checkpoints
-        self._windows = WindowSchedule(self.window_batches, self.window_seconds, self.first_decision_after)
         self._measuring = False  # the probe measures this epoch (set at its start, or at its first batch)
         self._last_step_logged = -1
         self._notices.reset()
@@ -200,13 +196,13 @@ class DataLoaderTuner(Callback):
     def history(self) -> list[WindowRecord]:
         """This fit's windows, one :class:`~lightning_dltune.records.WindowRecord` each (config, stats, verdict, reason)."""
         self._take_handoff()
-        return self._history
+        return self._run.history
 
     @property
     def rebuilds(self) -> int:
         """Loader config changes in this fit."""
         self._take_handoff()
-        return self._rebuilds
+        return self._run.rebuilds
 
     @property
     def recommended_config(self) -> Optional[LoaderConfig]:
@@ -223,22 +219,14 @@ class DataLoaderTuner(Callback):
             recommended = handed.get("recommended")
             self._recommended = LoaderConfig(**recommended) if recommended else None
 
-    @property
-    def _tuning(self) -> bool:
-        return self.tune and self._datamodule is not None
-
     # ------------------------------------------------------------------ set-up and tear-down
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._start_fit()
         datamodule = trainer.datamodule
-        self._datamodule = datamodule if isinstance(datamodule, TunableDataModule) else None
-        # only a tuned fit judges its start early: a monitor's first window is a regular one
-        self._windows = WindowSchedule(self.window_batches, self.window_seconds,
-                                       self.first_decision_after if self._tuning else 0)
-        if self.tune and self._datamodule is None:
+        self._start_fit(datamodule if isinstance(datamodule, TunableDataModule) else None)
+        if self.tune and not self._run.tuning:
             self._say_once(trainer, "no-mixin", "DataLoaderTuner: the datamodule is not a TunableDataModule, so its"
                            " loaders cannot be rebuilt; measuring, logging and recommending only.")
         device = trainer.strategy.root_device
@@ -251,22 +239,18 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._tuning:
-            assert self._datamodule is not None
-            self._datamodule.enable_rollback(self._on_rollback)
-            if self._restored_config is not None:
-                self._datamodule.set_loader_config(self._restored_config)
-            held = self._datamodule.held_workers_reason()
+        datamodule = self._run.datamodule
+        if self._run.tuning and datamodule is not None:
+            self._run.start_fit()
+            held = datamodule.held_workers_reason()
             if held is not None:
                 self._say_once(trainer, "held-workers", f"[dltune] {held}")
-            clamped = clamp_datamodule_start(self._datamodule, self._budget(trainer, pl_module), self.settings)
+            clamped = clamp_datamodule_start(datamodule, self._budget(trainer, pl_module), self.settings)
             if clamped is not None:
                 self._say_once(trainer, "clamped", clamped)
         if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    estimate = self._probe.sampler is None or not self._probe.sampler.available
-                    logger.experiment.add_custom_scalars(custom_scalars_layout(estimate, self.log_every_n_steps > 0))
+            estimate = self._probe.sampler is None or not self._probe.sampler.available
+            add_panels(trainer, estimate, recent=self.log_every_n_steps > 0)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -278,12 +262,11 @@ class DataLoaderTuner(Callback):
     # ------------------------------------------------------------------ measurement
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._tuning:
-            self._datamodule.rebuild_loaders(on_failure=self._on_rollback)  # type: ignore[union-attr]
+        self._run.start_epoch()
         self._measure_epoch(trainer)
 
     def _measure_epoch(self, trainer: pl.Trainer, first_batch: int = 0) -> None:
-        self._probe.attach(trainer, self._datamodule)
+        self._probe.attach(trainer, self._run.datamodule)
         self._measuring = True
         self._open_window(trainer, first_batch)
 
@@ -300,10 +283,14 @@ class DataLoaderTuner(Callback):
         self._probe.batch_ended(time.perf_counter())
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
             self._log_interval(trainer)
-        if batch_idx == self._windows.end:
+        windows = self._run.windows
+        if batch_idx == windows.end:
             self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
-        elif batch_idx == self._windows.look:
-            self._look(trainer, pl_module, batch_idx)
+        elif batch_idx == windows.look:  # part-way through a long window: close it now if conditions changed
+            if self._run.shifted(self._probe.config, self._job_stats(trainer, pl_module)):
+                self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
+            else:
+                self._run.looked(batch_idx)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -320,102 +307,55 @@ class DataLoaderTuner(Callback):
 
     # ------------------------------------------------------------------ decisions
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, end_batch: Optional[int] = None) -> None:
-        """Reduce the window across ranks, ask the policy, record, log and schedule the next config and window.
-
-        At an epoch end the new config applies from the next epoch start; in the middle of an epoch
-        (``end_batch``) the training loaders switch to it right away and the next window opens.
-        """
+        """Judge the window (every rank at once), log it, and mid-epoch (``end_batch``) open the next one."""
         config = self._probe.config
         if config is None:
             return
         if self._probe.fetcher_missing:
             self._say_once(trainer, "no-fetcher", "DataLoaderTuner: cannot time fetches with this Lightning version.")
-        stats = reduce_across_ranks(trainer.strategy, self._probe.local_stats(), trainer.world_size, pl_module.device)
-        if stats.fetches == 0:  # no evidence: a window whose only fetch was the loader's start-up
-            if stats.batches:
-                self._say_once(trainer, "no-fetch", f"[dltune] a window of {stats.batches} batch(es) had no fetch"
-                               " after the loader's start-up: no verdict; epochs need a few batches to be judged")
-            if end_batch is not None:
-                self._open_window(trainer, end_batch)
-            return
-        decision = decide(config, stats, self._budget(trainer, pl_module), self._history, self.settings)
-        # every rank runs the same numbers; rank zero's answer is the job's, and so is the next window's length
-        decision, self._windows.next_length = trainer.strategy.broadcast(
-            (decision, self._windows.length_after(stats)), src=0)
-        record = WindowRecord(trainer.current_epoch, config, stats, decision.verdict, decision.reason,
-                              decision.config, end_batch, trainer.global_step, decision.judged_util)
-        self._history.append(record)
-        if self._tuning:
-            assert self._datamodule is not None
-            self._datamodule.mark_config_good()
-            if record.changed:
-                self._rebuilds += 1
-                if end_batch is None:
-                    self._datamodule.set_loader_config(decision.config)
-                else:
-                    self._datamodule.switch_train_loaders(decision.config, on_failure=self._on_rollback)
-        if trainer.is_global_zero:
+        stats = self._job_stats(trainer, pl_module)
+        record = self._run.close_window(config, stats, self._budget(trainer, pl_module), trainer.current_epoch,
+                                        trainer.global_step, end_batch, partial(trainer.strategy.broadcast, src=0))
+        if record is None and stats.batches:
+            self._say_once(trainer, "no-fetch", f"[dltune] a window of {stats.batches} batch(es) had no fetch"
+                           " after the loader's start-up: no verdict; epochs need a few batches to be judged")
+        if record is not None and trainer.is_global_zero:
             self._log_window(trainer, record)
         if end_batch is not None:  # the rest of the epoch is measured in windows of the config it runs
-            self._probe.start(decision.config if self._tuning else config)
+            if record is not None:
+                self._probe.start(self._run.running_config(record))
             self._open_window(trainer, end_batch)
 
     def _open_window(self, trainer: pl.Trainer, first_batch: int) -> None:
-        """Plan the window opening at ``first_batch``: mid-epoch closes only where every rank reaches the batch
-        (a known epoch length, or one process) and, when tuning, where the loaders can switch right there."""
-        batches = trainer.num_training_batches
-        mid_epoch = (math.isfinite(batches) or trainer.world_size == 1) and (not self._tuning or self._probe.switchable)
-        self._windows.open(first_batch, batches, mid_epoch, seen=bool(self._history), looks=self._tuning)
+        self._run.open_window(first_batch, trainer.num_training_batches, trainer.world_size, self._probe.switchable)
 
-    def _look(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        """Part-way through a long window: close it now if conditions changed (every rank reaches this batch)."""
-        config = self._probe.config
-        stats = reduce_across_ranks(trainer.strategy, self._probe.local_stats(), trainer.world_size, pl_module.device)
-        prior = same_conditions(self._history, config) if config is not None else []
-        if prior and stats.fetches and detect_shift(prior, stats, config.num_workers) is not None:  # type: ignore[union-attr]
-            self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
-        else:
-            self._windows.looked(batch_idx)
+    def _job_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> WindowStats:
+        """The window so far, across ranks (a collective: every rank calls it at the same batch)."""
+        return reduce_across_ranks(trainer.strategy, self._probe.local_stats(), trainer.world_size, pl_module.device)
 
     def _budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
-        held = self._datamodule.held_workers() if self._datamodule is not None else None
         return job_budget(trainer, pl_module.device, self.max_workers, self.memory_fraction, self.shm_fraction,
-                          self._worker_cap, held)
+                          self._run.worker_cap, self._run.held_workers())
 
-    def _on_rollback(self, failed: LoaderConfig, restored: LoaderConfig, exc: BaseException) -> None:
-        """A loader switch rolled back: cap the workers of the budget (saved in checkpoints) and say why."""
-        self._worker_cap = cap_after_failure(self._worker_cap, failed, restored)
+    def _said_rollback(self, failed: LoaderConfig, restored: LoaderConfig, exc: BaseException) -> None:
+        """A loader switch rolled back (the run capped the workers): measure ``restored`` and say why."""
         self._probe.config = restored
         self._say_once(None, "rebuild-failed", f"DataLoaderTuner: the new loader config failed ({describe_failure(exc)});"
                        f" went back to {restored.short()} and the fit goes on.", warn=True, all_ranks=True)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        best = recommend(self._history, self.settings.min_gain)
-        if best is None:
-            return
-        self._recommended = best.config
-        # Lightning suppresses logging under fast_dev_run, and without a logger there is no log dir:
-        # the recommendation then lives in the table and `recommended_config` only
-        writes = self.recommendation_file and bool(trainer.loggers) and not trainer.fast_dev_run
-        directory = trainer.log_dir if writes else None  # a collective under DDP: every rank asks
-        if not trainer.is_global_zero:
-            return
-        if self.verbose >= VERBOSE_LINE:
-            say(trainer, summary_table(self._history, best))
-        if writes and directory:
-            note = f"measured {best.samples_per_s:,.0f} samples/s, the median of its windows ({best.verdict})"
-            self.recommendation_path = write_recommendation(directory, best.config, note)
-            if self.verbose >= VERBOSE_LINE:
-                say(trainer, f"[dltune] recommendation written to {self.recommendation_path}")
+        self._recommended, path = conclude_fit(trainer, self._run.history, self.settings.min_gain,
+                                               self.recommendation_file, self.verbose)
+        self.recommendation_path = path or self.recommendation_path
 
     # ------------------------------------------------------------------ logging
     def _log_window(self, trainer: pl.Trainer, record: WindowRecord) -> None:
         mode = self._probe.sampler.window_mode if self._probe.sampler is not None else None
-        scalars = window_scalars(record, self.band, self._rebuilds, None if mode is None else mode == MODE_SAMPLES)
+        scalars = window_scalars(record, self.band, self._run.rebuilds, None if mode is None else mode == MODE_SAMPLES)
         log_window(trainer, record, scalars, tuning=self.tune)
         if self.verbose >= VERBOSE_LINE:
-            say(trainer, epoch_line(record, tuning=self._tuning, verbose=self.verbose))
+            say(trainer, epoch_line(record, tuning=self._run.tuning, verbose=self.verbose))
 
     def _log_interval(self, trainer: pl.Trainer) -> None:
         if trainer.global_step == self._last_step_logged or self._probe.meter.interval_batches == 0:
@@ -431,21 +371,8 @@ class DataLoaderTuner(Callback):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
-        current = self._history[-1].next_config if self._history else self._probe.config
-        return {
-            "config": current.as_dict() if current is not None else None,
-            "rebuilds": self._rebuilds,
-            "history": [record.to_dict() for record in self._history],
-            "worker_cap": self._worker_cap,
-            "next_window": self._windows.next_length,
-        }
+        return self._run.state_dict(current=self._probe.config)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        config = state_dict.get("config")
-        self._restored_config = LoaderConfig(**config) if config else None
-        self._rebuilds = state_dict.get("rebuilds", 0)
-        self._worker_cap = state_dict.get("worker_cap")
-        self._windows.next_length = state_dict.get("next_window", self._windows.next_length)
-        self._history = [WindowRecord.from_dict(d) for d in state_dict.get("history", [])]
-
+        self._run.load_state_dict(state_dict)

@@ -214,7 +214,7 @@ def _step(cli: SweepCLI) -> tuple[list[float], float, str]:
 
 def _write_outputs(result: Any, out: str) -> None:
     from lightning_dltune import sweep_report
-    from lightning_dltune.report import write_recommendation
+    from lightning_dltune.recommendation import write_recommendation
 
     os.makedirs(out, exist_ok=True)
     written = [sweep_report.write_json(result, os.path.join(out, sweep_report.JSON_FILE))]

@@ -1,7 +1,8 @@
 """The scalars the tuner logs, by their stable ``dltune/`` names: one set per window, one per step interval.
 
 :func:`log_window` and :func:`log_interval` hand them to every logger of the trainer (rank zero calls them),
-at the x Lightning itself logs that batch's metrics at (:func:`lightning_step`).
+at the x Lightning itself logs that batch's metrics at (:func:`lightning_step`); :func:`add_panels` gives
+TensorBoard the layout that charts them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from lightning_dltune.measurement import WindowMeter
 from lightning_dltune.records import WindowRecord
 from lightning_dltune.report import decision_markdown
 from lightning_dltune.stats import UtilSource
-from lightning_dltune.tensorboard import RECENT, tag
+from lightning_dltune.tensorboard import RECENT, custom_scalars_layout, tag
 
 
 def window_scalars(
@@ -94,3 +95,10 @@ def log_interval(trainer: Any, meter: WindowMeter, samples_per_step: int) -> Non
     x = lightning_step(trainer.global_step)
     for logger in trainer.loggers:
         logger.log_metrics(scalars, step=x)
+
+
+def add_panels(trainer: Any, estimate: bool, recent: bool) -> None:
+    """The ``dltune`` custom-scalars layout to every TensorBoard logger (see :func:`custom_scalars_layout`)."""
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_custom_scalars(custom_scalars_layout(estimate, recent))

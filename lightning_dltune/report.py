@@ -1,20 +1,12 @@
-"""What a user reads: reasons in words, the per-window console line, the end-of-fit table, the recommendation."""
+"""What a user reads: reasons in words, the per-window console line, the end-of-fit table."""
 
 from __future__ import annotations
 
 import io
-import os
 from typing import Any, Optional, Sequence
 
-import yaml
-
-from lightning_dltune.config import LoaderConfig
-from lightning_dltune.history import best_config, median_rate
 from lightning_dltune.records import Reason, ReasonKind, WindowRecord
 from lightning_dltune.stats import UtilSource
-
-RECOMMENDATION_FILE = "dltune_recommendation.yaml"
-
 
 VERBOSE_LINE = 1
 """``verbose`` level of one short line per window and the end-of-fit table."""
@@ -87,12 +79,6 @@ def decision_markdown(record: WindowRecord, tuning: bool) -> str:
             f"{record_reason(record)}")
 
 
-def recommend(history: Sequence[WindowRecord], min_gain: float = 0.05) -> Optional[WindowRecord]:
-    """The window to cite for the recommended config: the median window of :func:`~lightning_dltune.history.best_config`."""
-    best = best_config(history, min_gain)
-    return None if best is None else median_rate(history, best)
-
-
 def batch_ranges(history: Sequence[WindowRecord]) -> list[str]:
     """Each window's batches within its epoch, ``1-10`` or ``11-end`` (counted from 1)."""
     ranges, start, epoch = [], 1, None
@@ -139,29 +125,6 @@ def summary_table(history: Sequence[WindowRecord], recommended: Optional[WindowR
             f"({recommended.samples_per_s:,.0f} samples/s, its median window: {window_label(recommended)})"
         )
     return buffer.getvalue().rstrip("\n")
-
-
-def recommendation_yaml(config: LoaderConfig, note: str = "") -> str:
-    """A LightningCLI config fragment: ``--config`` it after your own config to use the recommendation.
-
-    The values sit directly under ``data:``, the form that both ``dltune fit`` (the datamodule given
-    as ``class_path``/``init_args``) and a user's own ``LightningCLI(Model, DataModule)`` accept.
-    """
-    header = "# lightning-dltune recommendation: pass it after your config, e.g.\n"
-    header += "#   dltune fit --config configs/demo.yaml --config dltune_recommendation.yaml\n"
-    header += "#   python train.py fit --config my.yaml --config dltune_recommendation.yaml   (your own LightningCLI)\n"
-    if note:
-        header += f"# {note}\n"
-    body = {"data": config.as_dict()}
-    return header + yaml.safe_dump(body, sort_keys=False)
-
-
-def write_recommendation(directory: str, config: LoaderConfig, note: str = "") -> str:
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, RECOMMENDATION_FILE)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(recommendation_yaml(config, note))
-    return path
 
 
 # ------------------------------------------------------------------------------------------------

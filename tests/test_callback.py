@@ -184,7 +184,7 @@ def test_the_worker_cap_after_a_failed_switch_is_kept_in_checkpoints_and_older_o
 
     tuner = DataLoaderTuner(verbose=False)
     with pytest.warns(UserWarning, match="went back"):
-        tuner._on_rollback(LoaderConfig(num_workers=6), LoaderConfig(num_workers=2), RuntimeError("killed"))
+        tuner._run.rolled_back(LoaderConfig(num_workers=6), LoaderConfig(num_workers=2), RuntimeError("killed"))
     restored = DataLoaderTuner(verbose=False)
     restored.load_state_dict(tuner.state_dict())
     assert restored.state_dict()["worker_cap"] == 4  # at most halfway back up to the count that failed

@@ -10,7 +10,8 @@ from lightning_dltune.config import LoaderConfig
 from lightning_dltune.history import best_config
 from lightning_dltune.policy import decide
 from lightning_dltune.records import Budget, Reason, ReasonKind, Verdict, WindowRecord
-from lightning_dltune.report import _WORDS, decision_markdown, epoch_line, reason_text, recommend, summary_table
+from lightning_dltune.recommendation import recommend
+from lightning_dltune.report import _WORDS, decision_markdown, epoch_line, reason_text, summary_table
 from lightning_dltune.stats import UtilSource, WindowStats
 
 
