@@ -105,8 +105,10 @@ def test_one_long_epoch_whose_storage_slows_half_way_gets_more_workers_before_it
         (r.config.num_workers, round(r.starvation_ratio, 2), str(r.reason)[:80]) for r in windows]
     assert windows[-1].config.num_workers > before
     assert windows[-1].starvation_ratio < windows[slowed].starvation_ratio
-    # the window that saw the change closed early, at its first look after it
-    assert windows[slowed].stats.batches < windows[slowed - 1].stats.batches
+    # a window that saw the change closed early, at a look: the first one that saw it (the suspect,
+    # when a look fell after the change) or the one that confirmed it; which of the two depends on
+    # where in a window the change fell, so either may be the short one
+    assert slowed >= 2 and any(windows[i].stats.batches < windows[i - 1].stats.batches for i in (slowed - 1, slowed))
 
 
 class _CpuHog(pl.Callback):
