@@ -48,11 +48,7 @@ class WindowMeter:
         self.steps = 0
         self.step_total_s = 0.0
         self.startup_s = 0.0
-        # a second, shorter window for step-granularity logging
-        self.interval_fetch_wait_s = 0.0
-        self.interval_step_s = 0.0
-        self.interval_stalls = 0
-        self.interval_batches = 0
+        self.reset_interval()
 
     # -- per-batch path -------------------------------------------------------------------------
     def record_fetch(self, wait_s: float, ready: int = UNKNOWN_READY) -> None:
@@ -84,6 +80,7 @@ class WindowMeter:
 
     # -- window end -----------------------------------------------------------------------------
     def reset_interval(self) -> None:
+        """Start a new interval: the second, shorter window for step-granularity logging."""
         self.interval_fetch_wait_s = 0.0
         self.interval_step_s = 0.0
         self.interval_stalls = 0

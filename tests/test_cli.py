@@ -7,7 +7,6 @@ with a sleep, as in the demo on a CPU-only machine).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -18,18 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dltune_command import REPO, run_module, run_script
+
 pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "2",
         "--data.init_args.num_images", "160", "--data.init_args.batch_size", "8",
         "--model.init_args.emulate_step_ms", "5"]
-
-
-def dltune(*args: str, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DLTUNE_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "lightning_dltune", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def logs_args(tmp: Path) -> list[str]:
@@ -39,7 +33,7 @@ def logs_args(tmp: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo")
-    proc = dltune("fit", "--config", "configs/demo.yaml", *TINY, *logs_args(tmp), tmp=tmp)
+    proc = run_module("fit", "--config", "configs/demo.yaml", *TINY, *logs_args(tmp), tmp=tmp)
     assert proc.returncode == 0, proc.stderr[-4000:]
     version = tmp / "logs" / "demo" / "version_0"
     return tmp, version, proc.stdout + proc.stderr
@@ -59,21 +53,21 @@ def test_recommendation_round_trips_through_the_cli(demo):
     tmp, version, _ = demo
     rec = version / "dltune_recommendation.yaml"
     recommended = yaml.safe_load(rec.read_text())["data"]
-    proc = dltune("fit", "--config", "configs/demo.yaml", "--config", str(rec), "--print_config", tmp=tmp)
+    proc = run_module("fit", "--config", "configs/demo.yaml", "--config", str(rec), "--print_config", tmp=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged = yaml.safe_load(proc.stdout)
     for key, value in recommended.items():
         assert merged["data"]["init_args"][key] == value, key
     assert merged["data"]["class_path"] == "examples.image_pipeline.JpegDataModule"
     # and it trains with it
-    proc = dltune("fit", "--config", "configs/demo.yaml", "--config", str(rec), *TINY, "--trainer.max_epochs", "1",
+    proc = run_module("fit", "--config", "configs/demo.yaml", "--config", str(rec), *TINY, "--trainer.max_epochs", "1",
                   *logs_args(tmp), tmp=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"workers={recommended['num_workers']} prefetch={recommended['prefetch_factor']}" in proc.stderr + proc.stdout
 
 
 def test_monitor_only_config_never_rebuilds(tmp_path):
-    proc = dltune("fit", "--config", "configs/monitor_only.yaml", *TINY, "--trainer.max_epochs", "2",
+    proc = run_module("fit", "--config", "configs/monitor_only.yaml", *TINY, "--trainer.max_epochs", "2",
                   *logs_args(tmp_path), tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
@@ -84,7 +78,7 @@ def test_monitor_only_config_never_rebuilds(tmp_path):
 
 
 def test_ddp_cpu_config_runs_two_processes(tmp_path):
-    proc = dltune("fit", "--config", "configs/ddp_cpu.yaml", *TINY, *logs_args(tmp_path), tmp=tmp_path, timeout=400)
+    proc = run_module("fit", "--config", "configs/ddp_cpu.yaml", *TINY, *logs_args(tmp_path), tmp=tmp_path, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     assert "MEMBER: 2/2" in output
@@ -102,7 +96,7 @@ def test_ddp_cpu_config_runs_two_processes(tmp_path):
     ],
 )
 def test_bad_configuration_exits_non_zero_naming_the_key(tmp_path, args, named):
-    proc = dltune("fit", "--config", "configs/demo.yaml", *args, *logs_args(tmp_path), tmp=tmp_path)
+    proc = run_module("fit", "--config", "configs/demo.yaml", *args, *logs_args(tmp_path), tmp=tmp_path)
     assert proc.returncode != 0
     assert named in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -112,7 +106,7 @@ def test_bad_configuration_exits_non_zero_naming_the_key(tmp_path, args, named):
 def test_bad_yaml_file_names_the_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  init_args:\n    prefetch_factr: 4\n")
-    proc = dltune("fit", "--config", "configs/demo.yaml", "--config", str(bad), tmp=tmp_path)
+    proc = run_module("fit", "--config", "configs/demo.yaml", "--config", str(bad), tmp=tmp_path)
     assert proc.returncode != 0 and "prefetch_factr" in proc.stderr
 
 
@@ -211,15 +205,6 @@ def test_tensorboard_server_shows_the_dltune_panels(demo):
 
 
 # -- the installed `dltune` script: exit status and imports --------------------------------------------
-DLTUNE_SCRIPT = Path(sys.executable).with_name("dltune")
-
-
-def run_script(*args: str, tmp: Path, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DLTUNE_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([str(DLTUNE_SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_installed_dltune_script_exits_0_after_a_successful_fit(tmp_path):
     proc = run_script("fit", "--config", "configs/demo.yaml", *TINY, "--trainer.max_epochs", "1",
                       *logs_args(tmp_path), tmp=tmp_path)
@@ -231,13 +216,13 @@ def test_installed_dltune_script_exits_0_after_a_successful_fit(tmp_path):
 @pytest.mark.parametrize("launcher", ["script", "module"])
 def test_bad_configuration_exits_with_status_2(tmp_path, launcher):
     args = ("fit", "--config", "configs/demo.yaml", "--data.init_args.num_workers", "-2")
-    proc = run_script(*args, tmp=tmp_path) if launcher == "script" else dltune(*args, tmp=tmp_path)
+    proc = run_script(*args, tmp=tmp_path) if launcher == "script" else run_module(*args, tmp=tmp_path)
     assert proc.returncode == 2 and "num_workers" in proc.stderr
 
 
 @pytest.mark.parametrize("launcher", ["script", "module"])
 def test_help_exits_0_and_points_to_the_sweep(tmp_path, launcher):
-    proc = run_script("--help", tmp=tmp_path) if launcher == "script" else dltune("--help", tmp=tmp_path)
+    proc = run_script("--help", tmp=tmp_path) if launcher == "script" else run_module("--help", tmp=tmp_path)
     assert proc.returncode == 0 and "dltune sweep --help" in proc.stdout
 
 

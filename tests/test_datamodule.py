@@ -292,8 +292,12 @@ class KilledData(SleepyDataModule):
             self.val_dataset = KilledFromIndex(self.val_length, **self.kill)
 
 
-def _went_back(caught):
-    return [w for w in caught if "went back" in str(w.message)]
+def _fit_counting_rollbacks(trainer, model, dm) -> int:
+    """Fit, and how many rollbacks it warned of ("went back")."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    return sum(1 for w in caught if "went back" in str(w.message))
 
 
 def test_a_rebuilt_loader_whose_workers_die_after_its_end_batch_rolls_back_with_every_sample_once(trainer_kwargs):
@@ -302,10 +306,7 @@ def test_a_rebuilt_loader_whose_workers_die_after_its_end_batch_rolls_back_with_
     model = SleepStepModule(record_indices=True)
     dm = KilledData(kill_from=20, train_length=40, val_length=8, batch_size=4, shuffle=False)
     trainer = pl.Trainer(max_epochs=2, callbacks=[forcer], **trainer_kwargs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(model, datamodule=dm)
-    assert len(_went_back(caught)) == 1
+    assert _fit_counting_rollbacks(trainer, model, dm) == 1
     assert [sorted(seen) for seen in model.train_indices] == [list(range(40))] * 2
     assert [sorted(seen) for seen in model.val_indices] == [list(range(8))] * 2
     assert dm.loader_config.num_workers == 0
@@ -317,11 +318,9 @@ def test_a_failed_mid_epoch_switch_keeps_the_whole_epoch_and_its_validation(trai
     dm = KilledData(train_length=160, val_length=8, batch_size=4, batch_cost_s=0.03, num_workers=0)
     tuner = DataLoaderTuner(verbose=False, first_decision_after=10, max_workers=4)
     trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(model, datamodule=dm)
+    rollbacks = _fit_counting_rollbacks(trainer, model, dm)
     assert tuner.history[0].end_batch == 10 and tuner.history[0].changed
-    assert len(_went_back(caught)) == 1
+    assert rollbacks == 1
     for seen in model.train_indices:
         assert sorted(seen) == list(range(160))  # full length: the dead workers' batches came again
     assert [sorted(seen) for seen in model.val_indices] == [list(range(8))] * 2  # validation ran every epoch
@@ -333,10 +332,7 @@ def test_a_start_config_whose_workers_die_falls_back_for_train_val_and_the_sanit
     dm = KilledData(kill_val=True, train_length=32, val_length=8, batch_size=4, num_workers=2)
     tuner = DataLoaderTuner(verbose=False, first_decision_after=0)
     trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **{**trainer_kwargs, "num_sanity_val_steps": 2})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(model, datamodule=dm)
-    assert len(_went_back(caught)) == 1
+    assert _fit_counting_rollbacks(trainer, model, dm) == 1
     assert [sorted(seen) for seen in model.train_indices] == [list(range(32))] * 2
     assert [sorted(seen) for seen in model.val_indices] == [list(range(8))] * 2
     assert tuner.history[0].config.num_workers <= 1

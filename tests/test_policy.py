@@ -16,8 +16,8 @@ from lightning_dltune.config import LoaderConfig
 from lightning_dltune.history import RETRY_AFTER_WINDOWS, best_config, recall
 from lightning_dltune.policy import decide
 from lightning_dltune.records import Budget, EpochRecord, PolicySettings, ReasonKind, Verdict
-from lightning_dltune.report import reason_text
 from lightning_dltune.stats import UtilSource, WindowStats
+from ground_truth import ping_pong, settled_correctly, steady_in_band, trail, within_budget
 from pipeline_sim import Pipeline, simulate
 
 MB = 1 << 20
@@ -62,13 +62,6 @@ def record(epoch: int, config: LoaderConfig, stats: WindowStats, next_config: Lo
 
 def cfg(workers: int, prefetch: int = 2, **kwargs) -> LoaderConfig:
     return LoaderConfig(num_workers=workers, prefetch_factor=prefetch, **kwargs)
-
-
-def prefetch_bytes(config: LoaderConfig, batch_bytes: int) -> tuple[int, int]:
-    """What the budgets count: (memory with pinned copies, shared memory), one batch with 0 workers."""
-    batches = config.num_workers * config.prefetch_factor if config.num_workers else 1
-    shm = batches * batch_bytes if config.num_workers else 0
-    return batches * batch_bytes * (2 if config.pin_memory else 1), shm
 
 
 def tune(
@@ -642,52 +635,12 @@ starts = st.builds(
 cores_ = st.integers(2, 128)
 
 
-def _within_budget(config: LoaderConfig, budget: Budget, batch_bytes: int, policy: PolicySettings) -> bool:
-    memory, shm = prefetch_bytes(config, batch_bytes)
-    return (
-        config.num_workers <= budget.max_workers
-        and 1 <= config.prefetch_factor <= policy.max_prefetch_factor
-        and (budget.memory_bytes is None or config.num_workers == 0 or memory <= budget.memory_bytes)
-        and (budget.shm_bytes is None or shm <= budget.shm_bytes)
-    )
-
-
 @PROPERTY
 @given(data=st.data(), pipeline=pipelines(), start=starts, cores=cores_)
 def test_budgets_are_never_exceeded(data, pipeline, start, cores):
     budget = data.draw(budgets(cores))
     for r in tune(pipeline, start, budget, cores, epochs=8):
-        assert _within_budget(r.next_config, budget, pipeline.batch_bytes, DEFAULTS), (r.next_config, r.reason)
-
-
-def _settled_correctly(r: EpochRecord, pipeline: Pipeline, budget: Budget, cores: int) -> bool:
-    """The window is in the band, or its verdict is right about why it is not (and the tuner holds)."""
-    low, high = DEFAULTS.band
-    slack = DEFAULTS.hysteresis
-    util, held = r.stats.utilization, r.next_config == r.config
-    workers = r.config.num_workers
-    if low - slack <= util <= high + slack:
-        return True
-    if util > high + slack:
-        return r.verdict == Verdict.COMPUTE_BOUND and r.stats.starvation_ratio < DEFAULTS.min_starvation
-    if not held:
-        return False
-    if r.verdict == Verdict.COMPUTE_BOUND:
-        return r.stats.starvation_ratio < DEFAULTS.min_starvation
-    if r.verdict == Verdict.MEMORY_CAPPED:
-        one_more = r.config.replace(num_workers=workers + 1, prefetch_factor=1)
-        return not _within_budget(one_more, budget, pipeline.batch_bytes, DEFAULTS)
-    if workers >= budget.max_workers:
-        return r.verdict in (Verdict.DATA_BOUND_IO, Verdict.DATA_BOUND_CPU)
-    if r.verdict == Verdict.DATA_BOUND_CPU:
-        # CPUs saturated: one or two more workers' CPU work would pass the cores the training process
-        # leaves (a loader that cannot say its CPU share counts as CPU-bound), or, by the simulator's own
-        # numbers, one more worker would not gain min_gain
-        share = pipeline.cpu_share if pipeline.measured else 1.0
-        saturated = (workers + 2) * share > cores - 1
-        gain = pipeline.steady_utilization(workers + 1, cores) / pipeline.steady_utilization(workers, cores) - 1
-        return saturated or gain < DEFAULTS.min_gain
-    return False
+        assert within_budget(r.next_config, budget, pipeline.batch_bytes), (r.next_config, r.reason)
 
 
 @PROPERTY
@@ -696,7 +649,7 @@ def test_band_or_a_correct_verdict_within_three_decisions(data, kind, start, cor
     pipeline = data.draw(pipelines(kind, noise=0.02))
     budget = data.draw(budgets(cores))
     records = tune(pipeline, start, budget, cores, epochs=4)
-    assert any(_settled_correctly(r, pipeline, budget, cores) for r in records), [
+    assert any(settled_correctly(r, pipeline, budget, cores) for r in records), [
         (r.config.short(), round(r.stats.utilization, 3), r.verdict, r.reason) for r in records
     ]
 
@@ -707,14 +660,11 @@ def test_no_ping_pong_over_fifty_noisy_epochs(data, start, cores, seed):
     pipeline = data.draw(pipelines(noise=0.05))
     budget = data.draw(budgets(cores))
     records = tune(pipeline, start, budget, cores, epochs=50, seed=seed)
-    configs = [r.config for r in records] + [records[-1].next_config]
-    trail = [c for i, c in enumerate(configs) if i == 0 or c != configs[i - 1]]
-    for a, b, c, d in zip(trail, trail[1:], trail[2:], trail[3:]):
-        assert not (a == c and b == d), trail  # never A -> B -> A -> B
+    configs = trail(records)
+    assert ping_pong(configs) is None, configs  # never A -> B -> A -> B
     # settled: a config whose noise-free utilization is in the band (give or take the hysteresis). Moving
     # away from one is what noise makes a tuner do; moving away from any other config is still converging
-    low, high = DEFAULTS.band[0] - DEFAULTS.hysteresis, DEFAULTS.band[1] + DEFAULTS.hysteresis
-    after = [r.epoch for r in records if r.changed and low <= pipeline.steady_utilization(r.num_workers, cores) <= high]
+    after = [r.epoch for r in records if r.changed and steady_in_band(pipeline, r.config, cores)]
     assert len(after) <= 2, [(r.config.short(), round(r.stats.utilization, 3), r.reason) for r in records]
 
 

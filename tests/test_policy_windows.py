@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.policy import decide
-from lightning_dltune.records import Budget, PolicySettings, Verdict, WindowRecord
+from lightning_dltune.records import Budget, PolicySettings, WindowRecord
+from ground_truth import ping_pong, settled_correctly, steady_in_band, trail, within_budget
 from pipeline_sim import Pipeline, simulate
 
 MB = 1 << 20
@@ -100,20 +101,6 @@ def run_windows(
     return history
 
 
-def trail(records: Sequence[WindowRecord]) -> list[LoaderConfig]:
-    """The configs the fit ran, each run of equal ones once."""
-    configs = [r.config for r in records] + [records[-1].next_config]
-    return [c for i, c in enumerate(configs) if i == 0 or c != configs[i - 1]]
-
-
-def ping_pong(configs: Sequence[LoaderConfig]) -> Optional[tuple[LoaderConfig, LoaderConfig]]:
-    """The first A -> B -> A -> B in a trail, if any."""
-    for a, b, c, d in zip(configs, configs[1:], configs[2:], configs[3:]):
-        if a == c and b == d:
-            return a, b
-    return None
-
-
 def show(records: Sequence[WindowRecord], schedule: Optional[Schedule] = None) -> list[tuple]:
     """What a failing property prints: per window the config, utilization, verdict and reason."""
     out = []
@@ -121,57 +108,6 @@ def show(records: Sequence[WindowRecord], schedule: Optional[Schedule] = None) -
         phase = "" if schedule is None else f"phase@{[s for s in schedule.changes if s <= k][-1]}"
         out.append((k, phase, r.config.short(), round(r.stats.utilization, 3), str(r.verdict), str(r.reason)[:120]))
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# Ground truth
-
-
-def within_budget(config: LoaderConfig, budget: Budget, batch_bytes: int, policy: PolicySettings = DEFAULTS) -> bool:
-    """What the budgets allow: workers, prefetch, memory (pinned copies twice) and /dev/shm."""
-    batches = config.num_workers * config.prefetch_factor if config.num_workers else 1
-    shm = batches * batch_bytes if config.num_workers else 0
-    memory = batches * batch_bytes * (2 if config.pin_memory else 1)
-    return (
-        config.num_workers <= budget.max_workers
-        and 1 <= config.prefetch_factor <= policy.max_prefetch_factor
-        and (budget.memory_bytes is None or config.num_workers == 0 or memory <= budget.memory_bytes)
-        and (budget.shm_bytes is None or shm <= budget.shm_bytes)
-    )
-
-
-def settled_correctly(r: WindowRecord, pipeline: Pipeline, budget: Budget, cores: float) -> bool:
-    """The window is in the band, or its verdict is right about why it is not and the tuner holds.
-
-    Right by the simulator's numbers for the conditions of that window (a neighbour's busy cores are
-    not the workers' to use).
-    """
-    low, high = DEFAULTS.band
-    slack = DEFAULTS.hysteresis
-    util, held = r.stats.utilization, r.next_config == r.config
-    workers = r.config.num_workers
-    if low - slack <= util <= high + slack:
-        return True
-    if util > high + slack:
-        return r.verdict == Verdict.COMPUTE_BOUND and r.stats.starvation_ratio < DEFAULTS.min_starvation
-    if not held:
-        return False
-    if r.verdict == Verdict.COMPUTE_BOUND:
-        return r.stats.starvation_ratio < DEFAULTS.min_starvation
-    if r.verdict == Verdict.MEMORY_CAPPED:
-        one_more = r.config.replace(num_workers=workers + 1, prefetch_factor=1)
-        return not within_budget(one_more, budget, pipeline.batch_bytes)
-    if workers >= budget.max_workers:
-        return r.verdict in (Verdict.DATA_BOUND_IO, Verdict.DATA_BOUND_CPU)
-    if r.verdict == Verdict.DATA_BOUND_CPU:
-        # saturated: one or two more workers' CPU work would pass the cores left by the training process
-        # and the neighbours, or by the simulator's numbers one more worker would not gain min_gain
-        share = pipeline.cpu_share if pipeline.measured else 1.0
-        saturated = (workers + 2) * share > cores - 1 - pipeline.busy_cores
-        now = pipeline.steady_utilization(workers, cores, r.config.prefetch_factor)
-        more = pipeline.steady_utilization(workers + 1, cores, r.config.prefetch_factor)
-        return saturated or more / now - 1 < DEFAULTS.min_gain
-    return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,11 +277,7 @@ def test_no_ping_pong_over_two_hundred_noisy_windows(data, start, cores, seed):
     assert ping_pong(configs) is None, [c.short() for c in configs]
     # settled (a config whose noise-free utilization is in the band, give or take the hysteresis): moving
     # away from one is what noise makes a tuner do; moving away from any other config is still converging
-    low, high = DEFAULTS.band[0] - DEFAULTS.hysteresis, DEFAULTS.band[1] + DEFAULTS.hysteresis
-    away = [
-        k for k, r in enumerate(records)
-        if r.changed and low <= pipeline.steady_utilization(r.num_workers, cores, r.prefetch_factor) <= high
-    ]
+    away = [k for k, r in enumerate(records) if r.changed and steady_in_band(pipeline, r.config, cores)]
     assert len(away) <= 2, show([records[k] for k in away])
 
 
@@ -379,9 +311,7 @@ def test_a_transient_cpu_hog_does_not_leave_a_worse_config(data, start, cores, s
     # it holds the band (giving back down to the band's top is what the band asks for)
     rate_before = pipeline.steady_samples_per_s(before, cores)
     rate_after = pipeline.steady_samples_per_s(after, cores)
-    low, high = DEFAULTS.band[0] - DEFAULTS.hysteresis, DEFAULTS.band[1] + DEFAULTS.hysteresis
-    in_band = low <= pipeline.steady_utilization(after.num_workers, cores, after.prefetch_factor) <= high
-    assert in_band or rate_after >= (1 - DEFAULTS.min_gain) * rate_before, (
+    assert steady_in_band(pipeline, after, cores) or rate_after >= (1 - DEFAULTS.min_gain) * rate_before, (
         before.short(), after.short(), round(rate_after / rate_before, 3), show(records, schedule),
     )
 

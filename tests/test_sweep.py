@@ -7,12 +7,9 @@ grid and short points; the accelerator step is emulated by the example model's s
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -29,15 +26,9 @@ from lightning_dltune.sweep import (
     predicted_starvation,
     steady_rate,
 )
+from dltune_command import DLTUNE_SCRIPT, REPO, command_env, run_script
 
-REPO = Path(__file__).resolve().parents[1]
-DLTUNE = Path(sys.executable).with_name("dltune")
 SMALL = ["--data.init_args.num_images", "160", "--data.init_args.batch_size", "8"]
-
-
-def run_dltune(*args: str, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DLTUNE_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([str(DLTUNE), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # -- the command, for real --------------------------------------------------------------------------
@@ -46,7 +37,7 @@ def swept(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
     out = tmp / "out"
     started = time.perf_counter()
-    proc = run_dltune("sweep", "--config", "configs/demo.yaml", *SMALL, "--steps", "4", "--workers", "[0,1,2]",
+    proc = run_script("sweep", "--config", "configs/demo.yaml", *SMALL, "--steps", "4", "--workers", "[0,1,2]",
                       "--prefetch", "[1,2]", "--seconds-per-point", "0.5", "--out", str(out), tmp=tmp)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp, out, proc.stdout, time.perf_counter() - started
@@ -97,7 +88,7 @@ def test_sweep_recommendation_round_trips_through_dltune_fit(swept):
     chosen = json.loads((out / "dltune_sweep.json").read_text())["recommended"]
     assert recommended["num_workers"] == chosen["num_workers"]
     assert recommended["prefetch_factor"] == chosen["prefetch_factor"]
-    proc = run_dltune("fit", "--config", "configs/demo.yaml", "--config", str(rec), "--print_config", tmp=tmp)
+    proc = run_script("fit", "--config", "configs/demo.yaml", "--config", str(rec), "--print_config", tmp=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged = yaml.safe_load(proc.stdout)["data"]["init_args"]
     assert {k: merged[k] for k in recommended} == recommended
@@ -105,7 +96,7 @@ def test_sweep_recommendation_round_trips_through_dltune_fit(swept):
 
 @pytest.mark.slow
 def test_sweep_with_a_bad_class_path_exits_2_naming_the_key(tmp_path):
-    proc = run_dltune("sweep", "--config", "configs/demo.yaml", "--data.class_path", "examples.nowhere.Data",
+    proc = run_script("sweep", "--config", "configs/demo.yaml", "--data.class_path", "examples.nowhere.Data",
                       "--out", str(tmp_path / "out"), tmp=tmp_path)
     assert proc.returncode == 2
     assert "data" in proc.stderr and "examples.nowhere.Data" in proc.stderr
@@ -120,13 +111,13 @@ def test_sweep_needs_a_tunable_datamodule_and_says_so_with_exit_2(tmp_path):
         "model": {"class_path": "lightning.pytorch.demos.boring_classes.BoringModel"},
         "data": {"class_path": "lightning.pytorch.demos.boring_classes.BoringDataModule"},
     }))
-    proc = run_dltune("sweep", "--config", str(config), "--out", str(tmp_path / "out"), tmp=tmp_path)
+    proc = run_script("sweep", "--config", str(config), "--out", str(tmp_path / "out"), tmp=tmp_path)
     assert proc.returncode == 2 and "TunableDataModule" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
 def test_sweep_help_lists_its_options_and_the_fit_config(tmp_path):
-    proc = run_dltune("sweep", "--help", tmp=tmp_path)
+    proc = run_script("sweep", "--help", tmp=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: dltune sweep")
     for option in ("--step-ms", "--steps", "--seconds-per-point", "--workers", "--prefetch", "--min-gain", "--out",
                    "--config", "--data"):
@@ -135,18 +126,17 @@ def test_sweep_help_lists_its_options_and_the_fit_config(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_with_a_bad_option_exits_2_naming_it(tmp_path):
-    proc = run_dltune("sweep", "--config", "configs/demo.yaml", "--seconds-per-point", "0", tmp=tmp_path)
+    proc = run_script("sweep", "--config", "configs/demo.yaml", "--seconds-per-point", "0", tmp=tmp_path)
     assert proc.returncode == 2 and "--seconds-per-point" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupting_the_sweep_leaves_no_worker_behind(tmp_path, signum):
-    env = {**os.environ, "DLTUNE_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [str(DLTUNE), "sweep", "--config", "configs/demo.yaml", *SMALL, "--step-ms", "30", "--workers", "[2,3]",
+        [str(DLTUNE_SCRIPT), "sweep", "--config", "configs/demo.yaml", *SMALL, "--step-ms", "30", "--workers", "[2,3]",
          "--prefetch", "[2]", "--seconds-per-point", "60", "--out", str(tmp_path / "out")],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=command_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         workers: list = []
