@@ -17,6 +17,7 @@ position and sampler order go into Lightning's checkpoints (``state_dict`` / ``l
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Protocol
@@ -87,24 +88,26 @@ _quiet_resets = False  # this worker process hides its fd server's resets at shu
 
 
 def quiet_fd_server_resets() -> None:
-    """In a loader worker: a connection reset in the thread that serves a batch's file descriptors is no error.
+    """In a loader worker: a connection reset in the server that hands out a batch's file descriptors is no error.
 
     With torch's ``file_descriptor`` sharing a worker hands each batch's storage to the training process
-    through a background server thread (``multiprocessing.resource_sharer``). When the training process
-    stops mid-transfer (Ctrl-C, a shutdown), that thread's ``ConnectionResetError`` would print a traceback
-    from inside torch; every other thread's exception is reported as before.
+    through a background server (``multiprocessing.resource_sharer``), which reports its errors through
+    ``sys.excepthook`` itself. When the training process stops mid-transfer (Ctrl-C, a shutdown), its
+    ``ConnectionResetError`` would print a traceback from inside the standard library; every other
+    exception still reaches the hook as before.
     """
     global _quiet_resets
     _quiet_resets = True
-    report = threading.excepthook
+    report = sys.excepthook
 
-    def hook(args: Any) -> None:
-        name = getattr(args.thread, "name", "") or ""
-        if issubclass(args.exc_type, (ConnectionError, EOFError)) and name.endswith("(_serve)"):
+    def hook(exc_type: type, exc: BaseException, tb: Any) -> None:
+        frame = tb.tb_frame if tb is not None else None
+        if (issubclass(exc_type, (ConnectionError, EOFError)) and frame is not None
+                and frame.f_code.co_name == "_serve" and frame.f_code.co_filename.endswith("resource_sharer.py")):
             return
-        report(args)
+        report(exc_type, exc, tb)
 
-    threading.excepthook = hook
+    sys.excepthook = hook
 
 
 class ProbedDataset(Dataset):
