@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
-import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Protocol
 
