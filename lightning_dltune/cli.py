@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import statistics
 import sys
 import time
@@ -130,22 +129,18 @@ def sweep(args: Sequence[str]) -> int:
             f"`data` must be a TunableDataModule for `dltune sweep` (it builds each point's loader), got"
             f" {type(cli.datamodule).__name__}: add the lightning_dltune.TunableDataModule mixin to it."
         )
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    from lightning_dltune.sweep import StopRequest
+
     try:
-        _run_sweep(cli)
+        with StopRequest().installed() as stop:
+            _run_sweep(cli, stop)
     except KeyboardInterrupt:
         print("dltune sweep: interrupted; the loader workers were shut down.", file=sys.stderr)
         return EXIT_INTERRUPTED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _run_sweep(cli: SweepCLI) -> None:
+def _run_sweep(cli: SweepCLI, stop: Any) -> None:
     from lightning_dltune import sweep as lab
     from lightning_dltune import sweep_report
 
@@ -155,6 +150,7 @@ def _run_sweep(cli: SweepCLI) -> None:
     original = None
     try:
         samples, step_s, source = _step(cli)
+        stop.check()
         original = datamodule.loader_config
         make_loader = lab.datamodule_loaders(datamodule)
         batch_bytes = _first_batch_bytes(make_loader, original)
@@ -167,7 +163,7 @@ def _run_sweep(cli: SweepCLI) -> None:
         )
         _say(f"step {sweep_report.step_text(result)}; {len(configs)} points x {result.seconds_per_point:g} s,"
              f" budget: {budget.max_workers} workers")
-        lab.run_grid(make_loader, result, configs, on_point=_report_point)
+        lab.run_grid(make_loader, result, configs, on_point=_report_point, stop=stop.check)
     finally:
         if original is not None:
             datamodule.set_loader_config(original)

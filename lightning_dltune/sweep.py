@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import math
 import shutil
+import signal
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.model import prefetch_bytes
@@ -239,6 +241,43 @@ def _tree_memory(me: Any, children: list) -> float:
     return total
 
 
+class StopRequest:
+    """Ctrl-C or SIGTERM during a sweep: stop at the next batch, where the point's loader shuts down in order.
+
+    The signal only sets a flag: an exception raised inside torch's loader machinery (mid-transfer of a
+    batch, half-way through starting or stopping workers) can leave a worker, a queue or a transfer
+    thread half shut, and the process hanging at exit. :meth:`check` raises :class:`KeyboardInterrupt`
+    from the sweep's own code instead. A second signal raises at once.
+    """
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {signum}")
+        self.signum = signum
+
+    def check(self) -> None:
+        """Raise :class:`KeyboardInterrupt` if a stop was asked for."""
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {self.signum}")
+
+    @contextmanager
+    def installed(self, signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator["StopRequest"]:
+        """This request handles ``signums`` inside the block; the previous handlers come back after it."""
+        previous = {signum: signal.signal(signum, self) for signum in signums}
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+def _never_stop() -> None:
+    return None
+
+
 def _cpu_seconds(children: list) -> float:
     total = 0.0
     for proc in children:
@@ -264,9 +303,11 @@ def measure_point(
     seconds: float,
     step_s: float,
     batch_size: int,
+    stop: Callable[[], None] = _never_stop,
 ) -> SweepPoint:
     """Iterate a fresh loader of ``config`` alone for about ``seconds`` after its first batch.
 
+    ``stop`` is called between batches and raises to end the point early (:meth:`StopRequest.check`).
     The loader's workers are shut down before this returns or raises (Ctrl-C included).
     """
     import psutil
@@ -296,6 +337,7 @@ def measure_point(
                 next_sample = now + _MEMORY_EVERY_S
             if (now >= deadline and len(stamps) > _MIN_BATCHES) or now >= hard_stop:
                 break
+            stop()
             try:
                 next(iterator)
             except StopIteration:  # the epoch ended: the next one goes on (persistent workers stay)
@@ -307,6 +349,9 @@ def measure_point(
             cpu = _cpu_seconds(me.children(recursive=True))
         else:
             cpu = time.process_time() - cpu0
+    except Exception:
+        stop()  # a terminal's Ctrl-C also reaches the workers: their exit is then the interrupt's, not an error
+        raise
     finally:
         _close(iterator)
         shutdown_workers(loader)
@@ -341,13 +386,15 @@ def run_grid(
     result: SweepResult,
     configs: Sequence[LoaderConfig],
     on_point: Optional[Callable[[SweepPoint], None]] = None,
+    stop: Callable[[], None] = _never_stop,
 ) -> SweepResult:
-    """Measure every config in order into ``result`` (which keeps what finished if interrupted)."""
+    """Measure every config in order into ``result`` (which keeps what finished if interrupted by ``stop``)."""
     for config in configs:
+        stop()
         with warnings.catch_warnings():  # the budget allows more workers than cores (I/O-bound workers)
             warnings.filterwarnings("ignore", message=".*worker processes in total.*")
             point = measure_point(make_loader, config, result.seconds_per_point, result.step_ms / 1e3,
-                                  result.batch_size)
+                                  result.batch_size, stop)
         result.points.append(point)
         if on_point is not None:
             on_point(point)

@@ -18,10 +18,13 @@ import yaml
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.policy import Budget
 from lightning_dltune.sweep import (
+    StopRequest,
     SweepPoint,
     build_grid,
+    datamodule_loaders,
     default_workers,
     leanest_within,
+    measure_point,
     predicted_fit_rate,
     predicted_starvation,
     steady_rate,
@@ -231,3 +234,38 @@ def test_steady_rate_leaves_out_the_first_round_of_batches():
     assert steady_rate(stamps, skip=0) == pytest.approx(5 / 0.4)
     assert steady_rate([1.0], skip=0) == 0.0
     assert steady_rate([1.0, 1.5], skip=3) == pytest.approx(2.0)  # too few batches: every one counts
+
+
+def test_a_stop_signal_only_asks_and_a_second_one_stops_at_once():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest().installed() as stop:
+        stop.check()  # nothing asked yet
+        signal.raise_signal(signal.SIGTERM)  # handled between bytecodes: no exception inside whatever ran
+        with pytest.raises(KeyboardInterrupt, match="signal 15"):
+            stop.check()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+def test_a_point_asked_to_stop_ends_at_the_next_batch_with_its_workers_shut_down():
+    from workloads import SleepyDataModule
+
+    dm = SleepyDataModule(train_length=4000, batch_size=4, batch_cost_s=0.01, num_workers=2)
+    dm.setup("fit")
+    calls = []
+
+    def stop_after_ten():
+        calls.append(1)
+        if len(calls) > 10:
+            raise KeyboardInterrupt("signal 2")
+
+    with pytest.raises(KeyboardInterrupt):
+        measure_point(datamodule_loaders(dm), LoaderConfig(num_workers=2), seconds=60, step_s=0.01, batch_size=4,
+                      stop=stop_after_ten)
+    assert len(calls) == 11
+    deadline = time.monotonic() + 10  # shut down by the point itself, not left to torch's watchdog
+    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert psutil.Process().children(recursive=True) == []
