@@ -15,11 +15,23 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import pytest
+
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.records import Budget, PolicySettings, Verdict, WindowRecord
 from pipeline_sim import Pipeline
 
 DEFAULTS = PolicySettings()
+
+
+def target(why: str):
+    """A property the policy does not hold yet on every input: its minimal known example in ``why``.
+
+    Strict: it fails once it holds (then drop the mark); only a broken property counts, not a crash.
+    The property tests are derandomized and Hypothesis' pool of local literals is pinned (conftest),
+    so whether a target fails depends on the policy only, not on which tests ran before.
+    """
+    return pytest.mark.xfail(reason=f"target of continuous control: {why}", strict=True, raises=AssertionError)
 
 
 def prefetch_bytes(config: LoaderConfig, batch_bytes: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from lightning_dltune.history import RETRY_AFTER_WINDOWS, best_config, recall
 from lightning_dltune.policy import decide
 from lightning_dltune.records import Budget, EpochRecord, PolicySettings, ReasonKind, Verdict
 from lightning_dltune.stats import UtilSource, WindowStats
-from ground_truth import ping_pong, settled_correctly, steady_in_band, trail, within_budget
+from ground_truth import ping_pong, settled_correctly, steady_in_band, target, trail, within_budget
 from pipeline_sim import Pipeline, simulate
 
 MB = 1 << 20
@@ -643,6 +643,11 @@ def test_budgets_are_never_exceeded(data, pipeline, start, cores):
         assert within_budget(r.next_config, budget, pipeline.batch_bytes), (r.next_config, r.reason)
 
 
+@target(
+    "an I/O-bound pipeline on 2 cores can give back a worker by rounding and spend two windows undoing it "
+    "(313 ms I/O + 31 ms CPU a batch, 31 ms step, budget 8 workers, start 0x1: 0 -> 8 (budget), 'oversubscribed' "
+    "by a fraction of one worker's CPU share -> 7, starved 36 %, confirmed, undone: no correct verdict in 4 windows)"
+)
 @PROPERTY
 @given(data=st.data(), kind=st.sampled_from(["io", "cpu"]), start=starts, cores=cores_)
 def test_band_or_a_correct_verdict_within_three_decisions(data, kind, start, cores):
