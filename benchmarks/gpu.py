@@ -40,9 +40,10 @@ for _path in (REPO_ROOT, HERE, os.path.join(REPO_ROOT, "scripts")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from tuning import machine_info, pick_oracle, rule_of_thumb_workers  # noqa: E402
+from machine import machine_info  # noqa: E402
+from oracle import pick_oracle  # noqa: E402
+from strategies import BAND, rule_of_thumb_workers  # noqa: E402
 
-BAND = (0.85, 0.95)
 GRID_WORKERS = (0, 4, 8, 12, 16)
 PREFETCH = 2
 DATA_SIDE_VERDICTS = ("data-bound (I/O)", "data-bound (CPU saturated)", "memory-capped")

@@ -1,0 +1,125 @@
+"""Every run of one workload, in the benchmark's order: the static strategies and the grid, then the rest.
+
+Within a workload, the ``default`` and ``rule`` runs and the grid points run first in a shuffled order
+(seeded); the oracle is picked from the grid (:mod:`oracle`); then the oracle and the two tuned starts
+run in an order rotated per workload and per repeat. All strategies of a workload run within a few
+minutes of each other, so load from other jobs on a shared machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+from fit_launcher import launch
+from oracle import batch_bytes_of, grid_rows, oracle_rule, pick_oracle
+from strategies import BAD_START, MB, STRATEGIES, grid_config
+
+
+def run_workload(workload, index: int, args: argparse.Namespace, rule_workers: int, log_dir: str,
+                 rng: random.Random) -> dict[str, Any]:
+    """Runs every strategy and grid point of ``workload``; the runs, the grid and the oracle, unanalysed."""
+    from workloads import prepare
+
+    prepare(workload)
+    epochs = workload.epochs or args.epochs
+    grid_epochs = epochs if workload.full_grid_epochs else min(args.grid_epochs, epochs)
+    workers = args.grid_workers or list(workload.grid_workers)
+    prefetch = args.grid_prefetch or list(workload.grid_prefetch)
+    grid_configs = sorted({grid_config(w, p) for w in workers for p in prefetch})
+    run_counter = iter(range(10_000))
+    started = time.perf_counter()
+
+    def spec(label: str, w: int, p: int, tune: bool, n_epochs: int) -> dict[str, Any]:
+        return {"workload": workload.name, "label": label, "num_workers": w, "prefetch_factor": p, "tune": tune,
+                "epochs": n_epochs, "train_batches": workload.train_batches, "seed": args.seed,
+                # a phased workload's grid runs the judged phase alone: its oracle is that phase's
+                "slowed_throughout": label == "grid" and workload.phased,
+                "run_id": next(run_counter)}
+
+    starts = {
+        "default": (0, 2, False),
+        "rule": (rule_workers, 2, False),
+        "tuned_default": (0, 2, True),
+        "tuned_bad": (BAD_START[0], BAD_START[1], True),
+    }
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in STRATEGIES}
+    grid_runs: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def go(label: str, s: dict[str, Any]) -> dict[str, Any]:
+        tag = "tuned" if s["tune"] else "static"
+        print(f"  [{workload.name}] {label:<14} {tag} start {s['num_workers']}x{s['prefetch_factor']}, "
+              f"{s['epochs']} epochs ...", end="", flush=True)
+        r = launch(s, log_dir, args.run_timeout)
+        fit = f"{r['fit_s']:.1f}s" if "fit_s" in r else "failed"
+        peak = r["memory"].get("peak_mb")
+        print(f" {fit}, peak {peak:.0f} MB" if peak else f" {fit}", flush=True)
+        return r
+
+    # phase 1: the static strategies that are also grid points, and the rest of the grid, shuffled
+    phase1: list[tuple[str, Any]] = [("default", None), ("rule", None)]
+    # the full default and rule runs stand in for their grid points, except where the grid runs another cost
+    reused = set() if workload.phased else {grid_config(*starts["default"][:2]), grid_config(*starts["rule"][:2])}
+    phase1 += [("grid", c) for c in grid_configs if c not in reused]
+    rng.shuffle(phase1)
+    for kind, config in phase1:
+        if kind == "grid":
+            r = go("grid", spec("grid", config[0], config[1], False, grid_epochs))
+            grid_runs[config] = r
+        else:
+            w, p, tune = starts[kind]
+            r = go(kind, spec(kind, w, p, tune, epochs))
+            runs[kind].append(r)
+            if grid_config(w, p) in grid_configs and not workload.phased:
+                grid_runs[grid_config(w, p)] = r
+
+    budget_mb = workload.memory_budget_mb
+    bbytes = batch_bytes_of(list(grid_runs.values()), workload)
+    grid = grid_rows(grid_runs, epochs, bbytes, budget_mb)
+    oracle = pick_oracle(grid)
+    if oracle is None:
+        oracle = {"num_workers": 0, "prefetch_factor": 2}
+        print(f"  [{workload.name}] no grid point finished: the oracle falls back to 0 workers", flush=True)
+    print(f"  [{workload.name}] oracle: {oracle['num_workers']} workers x prefetch {oracle['prefetch_factor']}",
+          flush=True)
+    starts["oracle"] = (oracle["num_workers"], oracle["prefetch_factor"], False)
+
+    # phase 2: the oracle and both tuned starts, rotated per workload and repeat (plus static repeats)
+    for repeat in range(args.repeats):
+        order = ["oracle", "tuned_default", "tuned_bad"] + (["default", "rule"] if repeat else [])
+        shift = (index + repeat) % len(order)
+        for kind in order[shift:] + order[:shift]:
+            w, p, tune = starts[kind]
+            runs[kind].append(go(kind, spec(kind, w, p, tune, epochs)))
+
+    return {
+        "name": workload.name,
+        "summary": workload.summary,
+        "cost": workload.cost,
+        "step_ms": workload.step_ms,
+        "batch_size": workload.batch_size,
+        "train_batches": workload.train_batches,
+        "batch_mb": bbytes / MB,
+        "memory_budget_mb": budget_mb,
+        "epochs": epochs,
+        "grid_epochs": grid_epochs,
+        "judged": judged_part(workload, epochs),
+        "phase_start": workload.phase_start(),
+        "hog_epoch": workload.hog_epoch,
+        "grid": grid,
+        "oracle_config": {"num_workers": oracle["num_workers"], "prefetch_factor": oracle["prefetch_factor"]},
+        "oracle_rule": oracle_rule(epochs, workload.phased, budget_mb),
+        "raw_runs": runs,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def judged_part(workload, epochs: int) -> str:
+    """Which part of the fit the time ratio judges, in words."""
+    if workload.slow_from_fraction is not None:
+        return f"batches {workload.phase_start()}-{workload.train_batches * epochs - 1} (after the slowdown)"
+    if workload.slow_from_epoch is not None:
+        return f"epochs {workload.slow_from_epoch}-{epochs - 1} (after the slowdown)"
+    return "the whole fit"

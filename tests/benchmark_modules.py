@@ -1,0 +1,25 @@
+"""Imports modules of ``benchmarks/`` for a test without shadowing the tests' own modules (``workloads``)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+
+def load_benchmark_module(name: str, *needs: str) -> ModuleType:
+    """``benchmarks/<name>.py``, importing the benchmark modules it ``needs`` alongside; ``sys.modules`` and
+    ``sys.path`` are left as they were, so a later ``import workloads`` still finds ``tests/workloads.py``."""
+    names = (name, *needs)
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(BENCHMARKS)
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
