@@ -407,13 +407,36 @@ class IterStepModule(SleepStepModule):
         return super().training_step(batch, 0)
 
 
-@row("`training_step(self, dataloader_iter)`", "batch size and samples/s against truth")
+class EpochClock(pl.Callback):
+    """Wall time of each epoch's training batches from the first batch's start: the truth for samples/s."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == trainer.num_training_batches - 1:
+            self.seconds.append(time.perf_counter() - self._t0)
+
+
+@row("`training_step(self, dataloader_iter)`", "batch size, fetch wait and samples/s against truth")
 def test_dataloader_iter(tmp_path, workdir):
     model = IterStepModule(step_s=STEP_S, record_indices=True)
-    trainer, tuner = fit(tmp_path, model, make_data(), tuner=make_tuner(tune=False), max_epochs=1)
+    clock = EpochClock()
+    trainer, tuner = fit(tmp_path, model, make_data(), tuner=make_tuner(tune=False), max_epochs=1, callbacks=[clock])
     check_train_once(model, TRAIN, 1)
-    stats = tuner.history[0].stats
-    assert stats.samples == TRAIN and stats.batch_bytes and stats.batch_bytes > 0
+    records = tuner.history
+    samples = sum(r.stats.samples for r in records)
+    busy = sum(r.stats.busy_s for r in records)
+    fetch = sum(r.stats.fetch_wait_total_s for r in records)
+    assert samples == TRAIN and records[0].stats.batch_bytes and records[0].stats.batch_bytes > 0
+    # the step fetches its own batch: that wait is fetch wait, not step time (counted once, not twice)
+    assert samples / busy == pytest.approx(TRAIN / clock.seconds[0], rel=0.25)
+    assert fetch >= TRAIN // BATCH * BATCH_COST_S * 0.9 and busy - fetch < fetch  # a 12 ms fetch, a 2 ms step
 
 
 # ------------------------------------------------------------------------------------------------ fits and resumes
