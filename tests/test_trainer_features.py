@@ -444,11 +444,14 @@ def test_dataloader_iter(tmp_path, workdir):
 
 @row("one tuner, two fits", "each fit starts afresh")
 def test_fit_twice(tmp_path, workdir):
-    tuner = make_tuner()
+    tuner = make_tuner(max_rebuilds=1)  # "in one fit": the second fit may rebuild again
     fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=tuner, max_epochs=1)
+    first_rebuilds = tuner.rebuilds
     fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=tuner, max_epochs=1)
     assert [r.epoch for r in tuner.history] == [0, 0]  # the early window and the rest of the epoch
     assert tuner.history[0].end_batch == 4
+    assert first_rebuilds == tuner.rebuilds == 1 and tuner.history[1].num_workers > 0  # fit 2 added workers too
+    assert [[r.epoch for r in records] for records in tuner.previous_fits] == [[0, 0]]  # fit 1 kept apart
 
 
 class AllStagesModule(SleepStepModule):
