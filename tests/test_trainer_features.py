@@ -442,7 +442,7 @@ def test_dataloader_iter(tmp_path, workdir):
 # ------------------------------------------------------------------------------------------------ fits and resumes
 
 
-@row("one tuner, two fits", "each fit starts afresh")
+@row("one tuner, two fits", "each fit starts afresh: its own history and `max_rebuilds`")
 def test_fit_twice(tmp_path, workdir):
     tuner = make_tuner(max_rebuilds=1)  # "in one fit": the second fit may rebuild again
     fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=tuner, max_epochs=1)
