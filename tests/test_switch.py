@@ -164,9 +164,11 @@ def test_a_worker_killed_after_its_config_was_confirmed_is_torchs_own_error(trai
                     batch_size=4, shuffle=False, num_workers=1)
     model = SleepStepModule(record_indices=True)
     trainer = pl.Trainer(max_epochs=1, callbacks=[DataLoaderTuner(tune=False, verbose=False)], **trainer_kwargs)
-    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError, match=r"DataLoader worker \(pid"):
+    with warnings.catch_warnings(record=True) as caught, pytest.raises((RuntimeError, ConnectionResetError)) as raised:
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=dm)
+    # torch reports the death as it finds it: a dead worker, or a reset connection to it mid-transfer
+    assert isinstance(raised.value, ConnectionResetError) or "DataLoader worker (pid" in str(raised.value)
     assert not [w for w in caught if "went back" in str(w.message)]  # the config had worked: no rollback
     assert len(model.train_indices[0]) >= CONFIRM_AFTER_BATCHES * 4
 
