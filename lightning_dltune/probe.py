@@ -62,7 +62,7 @@ class WindowProbe:
         self._loaders: list = []
         self._per_step = self._parts = 1
         self._marks: list[tuple[Any, tuple[float, float, float]]] = []
-        self._wall0 = self._cpu0 = self._step0 = 0.0
+        self._wall0 = self._cpu0 = self._step0 = self._fetched0 = 0.0
         self._first = True
         self._util_paused = False
         self._batch_size = 0
@@ -130,9 +130,12 @@ class WindowProbe:
             self._util_paused = False
             self.sampler.resume()  # type: ignore[union-attr]
         self._step0 = now
+        self._fetched0 = self.meter.fetch_wait_total_s
 
     def batch_ended(self, now: float) -> None:
-        self.meter.record_step(now - self._step0)
+        # a step that fetches its own batches (``dataloader_iter``) waited for them inside the step: that is fetch wait
+        inside = self.meter.fetch_wait_total_s - self._fetched0
+        self.meter.record_step(now - self._step0 - (inside if inside > 0.0 else 0.0))
         if self.sampler is not None:
             self.sampler.maybe_poll(now)
 

@@ -8,15 +8,17 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data import dataloader as torch_dataloader
 
-from lightning_dltune import LoaderConfig
+from lightning_dltune import DataLoaderTuner, LoaderConfig
 from lightning_dltune.loader import build_loader
-from lightning_dltune.switch import LoaderSwitch, SwitchState
+from lightning_dltune.switch import CONFIRM_AFTER_BATCHES, LoaderSwitch, SwitchState
 from lightning_dltune.torch_internals import (
     check_torch_internals,
     is_machinery_failure,
@@ -149,6 +151,26 @@ def test_a_pending_switch_drains_the_old_workers_then_runs_the_rest_with_the_new
     switch = LoaderSwitch(loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=1), pending=True)
     seen += [i for b in it for i in b.tolist()]
     assert seen == list(range(40)) and loader.num_workers == 2 and switch.state is SwitchState.STARTED
+
+
+@pytest.mark.slow
+def test_a_worker_killed_after_its_config_was_confirmed_is_torchs_own_error(trainer_kwargs):
+    from test_datamodule import KilledData
+    from workloads import SleepStepModule
+
+    # the start config (1 worker) delivers its confirming batches; a few batches later its worker is killed
+    kill_batch = CONFIRM_AFTER_BATCHES + 6  # past the batches a worker prefetches
+    dm = KilledData(kill_from=kill_batch * 4, above=0, train_length=(kill_batch + 10) * 4, val_length=8,
+                    batch_size=4, shuffle=False, num_workers=1)
+    model = SleepStepModule(record_indices=True)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[DataLoaderTuner(tune=False, verbose=False)], **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises((RuntimeError, ConnectionResetError)) as raised:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    # torch reports the death as it finds it: a dead worker, or a reset connection to it mid-transfer
+    assert isinstance(raised.value, ConnectionResetError) or "DataLoader worker (pid" in str(raised.value)
+    assert not [w for w in caught if "went back" in str(w.message)]  # the config had worked: no rollback
+    assert len(model.train_indices[0]) >= CONFIRM_AFTER_BATCHES * 4
 
 
 # -- /dev/shm full, for real ---------------------------------------------------------------------

@@ -407,25 +407,67 @@ class IterStepModule(SleepStepModule):
         return super().training_step(batch, 0)
 
 
-@row("`training_step(self, dataloader_iter)`", "batch size and samples/s against truth")
-def test_dataloader_iter(tmp_path, workdir):
+class EpochClock(pl.Callback):
+    """Wall time of each epoch's training batches from the first batch's start: the truth for samples/s."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == trainer.num_training_batches - 1:
+            self.seconds.append(time.perf_counter() - self._t0)
+
+
+class PlainData(pl.LightningDataModule):
+    """Loaders the tuner did not build: their fetches are timed around Lightning's batch iterator."""
+
+    def train_dataloader(self):
+        return DataLoader(SleepyDataset(TRAIN, batch_cost_s=BATCH_COST_S), batch_size=BATCH, drop_last=True)
+
+    def val_dataloader(self):
+        return DataLoader(SleepyDataset(VAL), batch_size=BATCH)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["tunable", "plain"])
+def test_dataloader_iter(tmp_path, workdir, plain):
     model = IterStepModule(step_s=STEP_S, record_indices=True)
-    trainer, tuner = fit(tmp_path, model, make_data(), tuner=make_tuner(tune=False), max_epochs=1)
+    clock = EpochClock()
+    trainer, tuner = fit(tmp_path, model, PlainData() if plain else make_data(), tuner=make_tuner(tune=False),
+                         max_epochs=1, callbacks=[clock])
     check_train_once(model, TRAIN, 1)
-    stats = tuner.history[0].stats
-    assert stats.samples == TRAIN and stats.batch_bytes and stats.batch_bytes > 0
+    records = tuner.history
+    samples = sum(r.stats.samples for r in records)
+    busy = sum(r.stats.busy_s for r in records)
+    fetch = sum(r.stats.fetch_wait_total_s for r in records)
+    assert samples == TRAIN
+    assert plain or (records[0].stats.batch_bytes or 0) > 0  # ours estimate a batch's bytes from one sample
+    # the step fetches its own batch: that wait is fetch wait, not step time (counted once, not twice)
+    assert samples / busy == pytest.approx(TRAIN / clock.seconds[0], rel=0.25)
+    assert fetch >= TRAIN // BATCH * BATCH_COST_S * 0.9 and busy - fetch < fetch  # a 12 ms fetch, a 2 ms step
+
+
+ROWS["test_dataloader_iter"] = ("`training_step(self, dataloader_iter)`, ours and plain loaders|batch size, fetch wait "
+                                "and samples/s against truth")
 
 
 # ------------------------------------------------------------------------------------------------ fits and resumes
 
 
-@row("one tuner, two fits", "each fit starts afresh")
+@row("one tuner, two fits", "each fit starts afresh: its own history and `max_rebuilds`")
 def test_fit_twice(tmp_path, workdir):
-    tuner = make_tuner()
+    tuner = make_tuner(max_rebuilds=1)  # "in one fit": the second fit may rebuild again
     fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=tuner, max_epochs=1)
+    first_rebuilds = tuner.rebuilds
     fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=tuner, max_epochs=1)
     assert [r.epoch for r in tuner.history] == [0, 0]  # the early window and the rest of the epoch
     assert tuner.history[0].end_batch == 4
+    assert first_rebuilds == tuner.rebuilds == 1 and tuner.history[1].num_workers > 0  # fit 2 added workers too
+    assert [[r.epoch for r in records] for records in tuner.previous_fits] == [[0, 0]]  # fit 1 kept apart
 
 
 class AllStagesModule(SleepStepModule):
