@@ -129,7 +129,7 @@ def sweep(args: Sequence[str]) -> int:
             f"`data` must be a TunableDataModule for `dltune sweep` (it builds each point's loader), got"
             f" {type(cli.datamodule).__name__}: add the lightning_dltune.TunableDataModule mixin to it."
         )
-    from lightning_dltune.sweep import StopRequest
+    from lightning_dltune.interrupt import StopRequest
 
     try:
         with StopRequest().installed() as stop:

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import math
 import shutil
-import signal
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.model import prefetch_bytes
@@ -241,39 +239,6 @@ def _tree_memory(me: Any, children: list) -> float:
     return total
 
 
-class StopRequest:
-    """Ctrl-C or SIGTERM during a sweep: stop at the next batch, where the point's loader shuts down in order.
-
-    The signal only sets a flag: an exception raised inside torch's loader machinery (mid-transfer of a
-    batch, half-way through starting or stopping workers) can leave a worker, a queue or a transfer
-    thread half shut, and the process hanging at exit. :meth:`check` raises :class:`KeyboardInterrupt`
-    from the sweep's own code instead. A second signal raises at once.
-    """
-
-    def __init__(self) -> None:
-        self.signum: Optional[int] = None
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt(f"signal {signum}")
-        self.signum = signum
-
-    def check(self) -> None:
-        """Raise :class:`KeyboardInterrupt` if a stop was asked for."""
-        if self.signum is not None:
-            raise KeyboardInterrupt(f"signal {self.signum}")
-
-    @contextmanager
-    def installed(self, signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator["StopRequest"]:
-        """This request handles ``signums`` inside the block; the previous handlers come back after it."""
-        previous = {signum: signal.signal(signum, self) for signum in signums}
-        try:
-            yield self
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-
 def _never_stop() -> None:
     return None
 
@@ -307,7 +272,8 @@ def measure_point(
 ) -> SweepPoint:
     """Iterate a fresh loader of ``config`` alone for about ``seconds`` after its first batch.
 
-    ``stop`` is called between batches and raises to end the point early (:meth:`StopRequest.check`).
+    ``stop`` is called between batches and raises to end the point early
+    (:meth:`~lightning_dltune.interrupt.StopRequest.check`).
     The loader's workers are shut down before this returns or raises (Ctrl-C included).
     """
     import psutil

@@ -18,7 +18,6 @@ import yaml
 from lightning_dltune.config import LoaderConfig
 from lightning_dltune.policy import Budget
 from lightning_dltune.sweep import (
-    StopRequest,
     SweepPoint,
     build_grid,
     datamodule_loaders,
@@ -234,18 +233,6 @@ def test_steady_rate_leaves_out_the_first_round_of_batches():
     assert steady_rate(stamps, skip=0) == pytest.approx(5 / 0.4)
     assert steady_rate([1.0], skip=0) == 0.0
     assert steady_rate([1.0, 1.5], skip=3) == pytest.approx(2.0)  # too few batches: every one counts
-
-
-def test_a_stop_signal_only_asks_and_a_second_one_stops_at_once():
-    before = signal.getsignal(signal.SIGTERM)
-    with StopRequest().installed() as stop:
-        stop.check()  # nothing asked yet
-        signal.raise_signal(signal.SIGTERM)  # handled between bytecodes: no exception inside whatever ran
-        with pytest.raises(KeyboardInterrupt, match="signal 15"):
-            stop.check()
-        with pytest.raises(KeyboardInterrupt):
-            signal.raise_signal(signal.SIGTERM)
-    assert signal.getsignal(signal.SIGTERM) is before
 
 
 @pytest.mark.slow
