@@ -163,7 +163,9 @@ def test_a_worker_killed_after_its_config_was_confirmed_is_torchs_own_error(trai
     dm = KilledData(kill_from=kill_batch * 4, above=0, train_length=(kill_batch + 10) * 4, val_length=8,
                     batch_size=4, shuffle=False, num_workers=1)
     model = SleepStepModule(record_indices=True)
-    trainer = pl.Trainer(max_epochs=1, callbacks=[DataLoaderTuner(tune=False, verbose=False)], **trainer_kwargs)
+    # tuning, with rollback armed, but no change of config: the start config is confirmed, then its worker dies
+    tuner = DataLoaderTuner(max_rebuilds=0, verbose=False)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[tuner], **trainer_kwargs)
     with warnings.catch_warnings(record=True) as caught, pytest.raises((RuntimeError, ConnectionResetError)) as raised:
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=dm)
