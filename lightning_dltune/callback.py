@@ -345,9 +345,8 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._recommended, path = conclude_fit(trainer, self._run.history, self.settings.min_gain,
-                                               self.recommendation_file, self.verbose)
-        self.recommendation_path = path or self.recommendation_path
+        self._recommended, self.recommendation_path = conclude_fit(
+            trainer, self._run.history, self.settings.min_gain, self.recommendation_file, self.verbose)
 
     # ------------------------------------------------------------------ logging
     def _log_window(self, trainer: pl.Trainer, record: WindowRecord) -> None:

@@ -74,8 +74,10 @@ class TuningRun:
 
     def shifted(self, config: Optional[LoaderConfig], stats: WindowStats) -> bool:
         """Whether the open window so far shows new conditions against ``config``'s earlier windows."""
-        prior = same_conditions(self.history, config) if config is not None else []
-        return bool(prior) and bool(stats.fetches) and detect_shift(prior, stats, config.num_workers) is not None  # type: ignore[union-attr]
+        if config is None or not stats.fetches:
+            return False
+        prior = same_conditions(self.history, config)
+        return bool(prior) and detect_shift(prior, stats, config.num_workers) is not None
 
     def looked(self, batch_idx: int) -> None:
         """A look at ``batch_idx`` found the same conditions."""

@@ -11,8 +11,9 @@ How :func:`decide` thinks, first rule that applies wins:
    budget is never kept nor picked (prefetch gives way first, then workers).
 2. **New conditions, suspected.** One window unlike the config's earlier ones (a worker's time per
    batch off by more than half, the step time by more than a tenth, each beyond three standard
-   deviations; see :func:`~lightning_dltune.history.detect_shift`): hold and measure again. Two in a row that agree are new conditions: what was learned
-   before them is dropped (:func:`~lightning_dltune.history.recall`) and the rules below judge them alone.
+   deviations; see :func:`~lightning_dltune.history.detect_shift`): hold and measure again. Two in a
+   row that agree are new conditions: what was learned before them is dropped
+   (:func:`~lightning_dltune.history.recall`) and the rules below judge them alone.
 3. **Rebuild cap.** After ``max_rebuilds`` changes under the same conditions, nothing changes any more.
 4. **Judge the last change, on two windows.** More workers or deeper prefetch that lowered throughput
    by more than ``min_gain``, or a give-back that left the loop starved below the band, is measured
