@@ -14,11 +14,12 @@ import time
 from typing import Any, Optional
 
 from strategies import BAND, MB
+from lightning_dltune.report.words import reason_text
 
 
 def _per_epoch(history):
     """(last record, merged stats) per epoch: an early decision splits the first epoch into two windows."""
-    from lightning_dltune.stats import pool_windows  # merged as the fields declare, as the policy pools
+    from lightning_dltune.core.stats import pool_windows  # merged as the fields declare, as the policy pools
 
     merged = []
     for record in history:
@@ -39,7 +40,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning.pytorch.callbacks import Callback
 
     from lightning_dltune import DataLoaderTuner
-    from lightning_dltune.resources import memory_budget_bytes, rank_budget
+    from lightning_dltune.control.resources import memory_budget_bytes, rank_budget
     from phases import BatchClock, CpuHog, EpochFlag, clock_summary
     from workloads import EPOCH_FILE_ENV, WORKLOADS, build
 
@@ -119,7 +120,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             "batch_bytes": s.batch_bytes,
             "samples": s.samples,
             "verdict": str(record.verdict),
-            "reason": str(record.reason),
+            "reason": reason_text(record.reason),
             "changed": record.changed,
             "next_num_workers": record.next_config.num_workers,
             "next_prefetch_factor": record.next_config.prefetch_factor,
@@ -142,6 +143,6 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             "epoch": r.epoch, "end_batch": r.end_batch, "step": r.step,
             "config": [r.config.num_workers, r.config.prefetch_factor],
             "next_config": [r.next_config.num_workers, r.next_config.prefetch_factor],
-            "utilization": r.stats.utilization, "verdict": str(r.verdict), "reason": str(r.reason),
+            "utilization": r.stats.utilization, "verdict": str(r.verdict), "reason": reason_text(r.reason),
         } for r in tuner.history],
     }

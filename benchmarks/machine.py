@@ -17,7 +17,7 @@ def machine_info() -> dict[str, Any]:
     import psutil
     import torch
 
-    from lightning_dltune.resources import usable_cpus
+    from lightning_dltune.control.resources import usable_cpus
 
     model = ""
     try:

@@ -27,6 +27,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from examples.image_pipeline import JpegDataModule, SmallCNN
 from lightning_dltune import DataLoaderTuner
+from lightning_dltune.report.words import reason_text
 
 # Without an accelerator the training step is emulated: the model computes on one CPU thread (SmallCNN:
 # about 25 ms per batch of 32), then sleeps to this step time. One thread, because a GPU's compute
@@ -110,7 +111,7 @@ def print_summary(tuner: DataLoaderTuner) -> None:
         print(
             f"  epoch {record.epoch}: {record.config.short()} | util {record.gpu_util:.0%} ({record.util_source})"
             f" | starvation {record.starvation_ratio:.0%} | fetch wait {fetch_ms:.1f} ms vs step {step_ms:.1f} ms"
-            f" per batch | {record.samples_per_s:,.0f} samples/s | {record.verdict}: {record.reason}"
+            f" per batch | {record.samples_per_s:,.0f} samples/s | {record.verdict}: {reason_text(record.reason)}"
         )
     if tuner.recommended_config is not None:
         print(f"Recommended loader config: {tuner.recommended_config.short()}")

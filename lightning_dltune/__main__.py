@@ -3,7 +3,7 @@
 import os
 import sys
 
-from lightning_dltune.cli import main
+from lightning_dltune.cli.command import main
 
 # `python -m` puts the current directory first; search it last, as the installed `dltune` does
 if sys.path and sys.path[0] in ("", os.getcwd()):

@@ -11,23 +11,23 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_dltune import validation
-from lightning_dltune.budgets import clamp_datamodule_start, job_budget
-from lightning_dltune.config import LoaderConfig
-from lightning_dltune.control import TuningRun
-from lightning_dltune.console import Notices, say
+from lightning_dltune.core import validation
+from lightning_dltune.control.budgets import clamp_datamodule_start, job_budget
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.control.run import TuningRun
+from lightning_dltune.report.console import Notices, say
 from lightning_dltune.datamodule import TunableDataModule
-from lightning_dltune.distributed import reduce_across_ranks
-from lightning_dltune.gpu import MODE_SAMPLES
-from lightning_dltune.handoff import SpawnHandoff
-from lightning_dltune.metrics import add_panels, log_interval, log_window, window_scalars
-from lightning_dltune.probe import WindowProbe
-from lightning_dltune.records import Budget, PolicySettings, WindowRecord
-from lightning_dltune.recommendation import conclude_fit
-from lightning_dltune.report import VERBOSE_LINE, VERBOSE_REASON, epoch_line
-from lightning_dltune.stats import UtilSource, WindowStats
-from lightning_dltune.torch_internals import describe_failure
-from lightning_dltune.windows import WindowSchedule
+from lightning_dltune.measure.distributed import reduce_across_ranks
+from lightning_dltune.nvml.sampler import MODE_SAMPLES
+from lightning_dltune.control.handoff import SpawnHandoff
+from lightning_dltune.report.metrics import add_panels, log_interval, log_window, window_scalars
+from lightning_dltune.measure.probe import WindowProbe
+from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
+from lightning_dltune.report.recommendation import conclude_fit
+from lightning_dltune.report.words import VERBOSE_LINE, VERBOSE_REASON, epoch_line
+from lightning_dltune.core.stats import UtilSource, WindowStats
+from lightning_dltune.loaders.torch_internals import describe_failure
+from lightning_dltune.core.windows import WindowSchedule
 
 UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
 
@@ -116,7 +116,7 @@ class DataLoaderTuner(Callback):
         ValueError: for a band other than two numbers with ``0 < low < high <= 1``, an unknown
             ``util_source``, a negative threshold, interval or count, fractions outside ``(0, 1]``,
             ``min_gain`` outside ``[0, 1)``, ``verbose`` outside ``0..2``. A wrong type (a string for a
-            bool, a float for a count) raises :class:`~lightning_dltune.validation.ArgumentTypeError`, a
+            bool, a float for a count) raises :class:`~lightning_dltune.core.validation.ArgumentTypeError`, a
             ``TypeError`` that is also a ``ValueError``. Every message names the argument, the value and what is allowed.
 
     Example::
@@ -194,7 +194,7 @@ class DataLoaderTuner(Callback):
 
     @property
     def history(self) -> list[WindowRecord]:
-        """This fit's windows, one :class:`~lightning_dltune.records.WindowRecord` each (config, stats, verdict, reason)."""
+        """This fit's windows, one :class:`~lightning_dltune.core.records.WindowRecord` each (config, stats, verdict, reason)."""
         self._take_handoff()
         return self._run.history
 

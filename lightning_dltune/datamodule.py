@@ -6,35 +6,21 @@ import warnings
 from typing import Any, Callable, Optional
 
 import torch
-from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from lightning_dltune import validation
-from lightning_dltune.config import LoaderConfig
-from lightning_dltune.loader import TunedDataLoader, build_loader, loader_config_of, sample_bytes, shutdown_workers
-from lightning_dltune.switch import LoaderSwitch
-from lightning_dltune.torch_internals import describe_failure
+from lightning_dltune.core import validation
+from lightning_dltune.control.switchable import FailureListener
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.loaders.arguments import check_loader_kwargs
+from lightning_dltune.loaders.collection import flatten_loaders
+from lightning_dltune.loaders.loader import TunedDataLoader, build_loader, sample_bytes
+from lightning_dltune.loaders.switch import LoaderSwitch, loader_config_of
+from lightning_dltune.loaders.torch_internals import describe_failure, shutdown_workers
 
 # set by the mixin's own arguments, never through `loader_kwargs`
 _OWNED = ("batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "drop_last",
           "shuffle", "dataset")
 
-# called as on_failure(failed config, config gone back to, exception) after a rollback
-FailureListener = Callable[[LoaderConfig, LoaderConfig, BaseException], None]
-
-
-def _flatten(loaders: Any) -> list:
-    if loaders is None:
-        return []
-    if isinstance(loaders, DataLoader):
-        return [loaders]
-    if isinstance(loaders, CombinedLoader):
-        return list(loaders.flattened)
-    if isinstance(loaders, dict):
-        return [x for v in loaders.values() for x in _flatten(v)]
-    if isinstance(loaders, (list, tuple)):
-        return [x for v in loaders for x in _flatten(v)]
-    return []
 
 
 def _runs_with(loader: DataLoader, config: LoaderConfig) -> bool:
@@ -49,7 +35,7 @@ class TunableDataModule:
     batch), ``drop_last=False`` for validation (every sample is seen once). When the
     :class:`~lightning_dltune.DataLoaderTuner` picks a new config, the live loaders are rebuilt in
     place at the next epoch start (old workers shut down first), keeping Lightning's sampler,
-    ``DistributedSampler`` included. Each change is a :class:`~lightning_dltune.switch.LoaderSwitch`:
+    ``DistributedSampler`` included. Each change is a :class:`~lightning_dltune.loaders.switch.LoaderSwitch`:
     if the loader machinery fails before the new config has delivered a few windows' worth of
     batches, the loader goes back to the last good config and the batches the dead workers held are
     loaded again (every sample once); an error raised by your dataset, collate or
@@ -116,7 +102,7 @@ class TunableDataModule:
         validation.flag("persistent_workers", persistent_workers, optional=True)
         validation.flag("shuffle", shuffle)
         validation.flag("iterable_shards_by_worker", iterable_shards_by_worker)
-        loader_kwargs = validation.dataloader_kwargs("loader_kwargs", loader_kwargs, owned=_OWNED)
+        loader_kwargs = check_loader_kwargs("loader_kwargs", loader_kwargs, owned=_OWNED)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.loader_kwargs = loader_kwargs
@@ -258,7 +244,7 @@ class TunableDataModule:
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return
-        for loader in _flatten(live(trainer)):
+        for loader in flatten_loaders(live(trainer)):
             if isinstance(loader, TunedDataLoader):
                 shutdown_workers(loader)
                 loader.switch = None
@@ -268,7 +254,7 @@ class TunableDataModule:
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return []
-        loaders = _flatten(trainer.train_dataloader) + _flatten(trainer.val_dataloaders)
+        loaders = flatten_loaders(trainer.train_dataloader) + flatten_loaders(trainer.val_dataloaders)
         return [dl for dl in loaders if isinstance(dl, TunedDataLoader)]
 
     def mark_config_good(self) -> None:
@@ -288,7 +274,7 @@ class TunableDataModule:
         """Bring the live loaders (train and val) to :attr:`loader_config`; returns how many were rebuilt.
 
         Each rebuilt loader keeps the last good config as its fallback until its new workers have
-        delivered a few windows' worth of batches (see :class:`~lightning_dltune.switch.LoaderSwitch`).
+        delivered a few windows' worth of batches (see :class:`~lightning_dltune.loaders.switch.LoaderSwitch`).
         """
         if on_failure is not None or self._on_failure is None:
             self.enable_rollback(on_failure)
@@ -318,7 +304,7 @@ class TunableDataModule:
         previous = self.loader_config
         self.set_loader_config(config)
         config = self.loader_config
-        train = _flatten(self.trainer.train_dataloader)
+        train = flatten_loaders(self.trainer.train_dataloader)
         switched = 0
         for loader in self.live_loaders():
             if not _runs_with(loader, config):

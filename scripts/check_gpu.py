@@ -10,7 +10,7 @@ Three groups of checks, one line each (``PASS``/``FAIL``, the value and what was
 2. raw samples: ``nvmlDeviceGetSamples`` gives unsigned-int values in 0-100, asking again from the
    newest timestamp returns nothing older, and samples keep arriving through a 3 s idle sleep with a
    live CUDA context;
-3. accuracy of :class:`~lightning_dltune.gpu.UtilizationSampler`: a busy window reads >= 0.9, an
+3. accuracy of :class:`~lightning_dltune.nvml.sampler.UtilizationSampler`: a busy window reads >= 0.9, an
    idle one <= 0.1, a ~50 % duty cycle 0.35-0.65 (each with >= 5 samples), and busy 3 s / idle 3 s /
    busy 3 s reads >= 0.9 with the idle part paused and <= 0.75 without.
 
@@ -35,7 +35,7 @@ if REPO_ROOT not in sys.path:  # run from a checkout: python scripts/check_gpu.p
 
 import torch  # noqa: E402
 
-from lightning_dltune.gpu import MODE_SAMPLES, UtilizationSampler, cuda_device_identity  # noqa: E402
+from lightning_dltune.nvml.sampler import MODE_SAMPLES, UtilizationSampler, cuda_device_identity  # noqa: E402
 
 WINDOW_S = 3.0
 POLL_S = 0.25

@@ -3,7 +3,7 @@
 A decision is judged against :mod:`pipeline_sim`'s own answers (noise-free utilization, throughput)
 and the budgets as a user counts them, never against the policy's model, so a property cannot pass
 because the policy and its judge share a mistake. ``prefetch_bytes`` is deliberately not
-:func:`lightning_dltune.model.prefetch_bytes`: the budgets are counted here again, from their words.
+:func:`lightning_dltune.core.model.prefetch_bytes`: the budgets are counted here again, from their words.
 
 Example::
 
@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 
 import pytest
 
-from lightning_dltune.config import LoaderConfig
-from lightning_dltune.records import Budget, PolicySettings, Verdict, WindowRecord
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.records import Budget, PolicySettings, Verdict, WindowRecord
 from pipeline_sim import Pipeline
 
 DEFAULTS = PolicySettings()

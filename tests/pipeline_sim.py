@@ -40,8 +40,8 @@ import random
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from lightning_dltune.config import LoaderConfig
-from lightning_dltune.stats import UtilSource, WindowStats
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.stats import UtilSource, WindowStats
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """budgets: the worker cap after a failed switch and the start clamp (pure parts; the DDP reduction runs in test_ddp)."""
 
-from lightning_dltune.budgets import cap_after_failure, clamp_start
-from lightning_dltune.config import LoaderConfig
-from lightning_dltune.records import Budget, PolicySettings
+from lightning_dltune.control.budgets import cap_after_failure, clamp_start
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.records import Budget, PolicySettings
 
 MB = 2**20
 

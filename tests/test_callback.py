@@ -9,7 +9,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.tensorboard import layout_tags
+from lightning_dltune.report.tensorboard import layout_tags
 from tb_events import layout, scalars, texts
 from workloads import CountingIterable, SleepStepModule, SleepyDataModule
 

@@ -2,7 +2,7 @@
 
 import warnings
 
-from lightning_dltune.console import Notices, say
+from lightning_dltune.report.console import Notices, say
 
 
 class Bar:

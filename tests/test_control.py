@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from lightning_dltune.config import LoaderConfig
-from lightning_dltune.control import TuningRun
-from lightning_dltune.records import Budget, PolicySettings, Verdict
-from lightning_dltune.stats import WindowStats
-from lightning_dltune.windows import NO_BATCH, WindowSchedule
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.control.run import TuningRun
+from lightning_dltune.core.records import Budget, PolicySettings, Verdict
+from lightning_dltune.core.stats import WindowStats
+from lightning_dltune.core.windows import NO_BATCH, WindowSchedule
 from workloads import SleepyDataModule
 
 BUDGET = Budget(max_workers=8, cpus=8)

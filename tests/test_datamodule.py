@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dltune import DataLoaderTuner, LoaderConfig
-from lightning_dltune.loader import TunedDataLoader
+from lightning_dltune.loaders.loader import TunedDataLoader
 from workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 
 

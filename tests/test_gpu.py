@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from lightning_dltune import gpu
-from lightning_dltune.gpu import UtilizationSampler
+from lightning_dltune.nvml import sampler as gpu
+from lightning_dltune.nvml.sampler import UtilizationSampler
 
 pynvml = pytest.importorskip("pynvml")  # nvidia-ml-py, a dependency: its types shape the fake below
 
@@ -676,7 +676,8 @@ def test_fit_leaves_validation_and_checkpoint_saving_out_of_gpu_util(monkeypatch
     from lightning.pytorch.plugins.io import TorchCheckpointIO
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_dltune import DataLoaderTuner, probe
+    from lightning_dltune import DataLoaderTuner
+    from lightning_dltune.measure import probe
 
     device = LiveGPU()
     nvml = LiveNVML(device)

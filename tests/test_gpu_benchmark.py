@@ -171,7 +171,7 @@ def test_check_gpu_passes_every_check_against_a_faithful_fake_device(monkeypatch
     import torch
     from test_gpu import LiveGPU, LiveNVML
 
-    import lightning_dltune.gpu as gpu_module
+    import lightning_dltune.nvml.sampler as gpu_module
 
     pynvml = pytest.importorskip("pynvml")
     sys.path.insert(0, str(REPO_ROOT / "scripts"))

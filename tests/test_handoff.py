@@ -4,7 +4,7 @@ import multiprocessing
 
 import pytest
 
-from lightning_dltune.handoff import SpawnHandoff
+from lightning_dltune.control.handoff import SpawnHandoff
 
 
 def _send_from_child(handoff: SpawnHandoff) -> None:

@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from lightning_dltune.interrupt import StopRequest
+from lightning_dltune.cli.interrupt import StopRequest
 
 
 def test_a_stop_signal_only_asks_and_a_second_one_stops_at_once():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_dltune import lightning_internals
+from lightning_dltune.measure import lightning_internals
 
 
 def test_this_lightning_has_what_the_tuner_relies_on():

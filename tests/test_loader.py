@@ -81,7 +81,7 @@ def test_a_workers_fd_server_reset_at_shutdown_prints_no_traceback(monkeypatch):
     import threading
     from multiprocessing import resource_sharer
 
-    from lightning_dltune import loader as loader_module
+    from lightning_dltune.loaders import loader as loader_module
 
     seen = []
     monkeypatch.setattr(sys, "excepthook", lambda exc_type, exc, tb: seen.append(exc_type))

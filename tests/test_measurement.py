@@ -10,7 +10,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.measurement import WindowMeter
+from lightning_dltune.measure.meter import WindowMeter
 from workloads import SleepStepModule, SleepyDataModule, SleepyDataset, steady_truth
 
 BATCH = 4

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from lightning_dltune.nvml_device import describe_nvml_error, parse_device, read_utilization_samples
+from lightning_dltune.nvml.device import describe_nvml_error, parse_device, read_utilization_samples
 
 pynvml = pytest.importorskip("pynvml")
 

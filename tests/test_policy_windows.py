@@ -1,6 +1,6 @@
 """Continuous control: the policy decided window after window while the pipeline changes under it.
 
-A driver runs the pure :func:`~lightning_dltune.policy.decide` on windows of the independent simulator
+A driver runs the pure :func:`~lightning_dltune.core.policy.decide` on windows of the independent simulator
 (:mod:`pipeline_sim`), as the callback would close them anywhere in an epoch, against a *schedule* of
 conditions: storage that slows 3x at window ``k``, a CPU hog for windows ``k..k+m``, a +-30 % step jitter
 throughout, a heavy-tailed sample cost. The properties are the targets of continuous control; "correct"
@@ -18,11 +18,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from lightning_dltune.config import LoaderConfig
-from lightning_dltune.policy import decide
-from lightning_dltune.records import Budget, PolicySettings, WindowRecord
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.policy import decide
+from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
 from ground_truth import ping_pong, settled_correctly, steady_in_band, target, trail, within_budget
 from pipeline_sim import Pipeline, simulate
+from lightning_dltune.report.words import reason_text
 
 MB = 1 << 20
 DEFAULTS = PolicySettings()
@@ -97,7 +98,7 @@ def show(records: Sequence[WindowRecord], schedule: Optional[Schedule] = None) -
     out = []
     for k, r in enumerate(records):
         phase = "" if schedule is None else f"phase@{[s for s in schedule.changes if s <= k][-1]}"
-        out.append((k, phase, r.config.short(), round(r.stats.utilization, 3), str(r.verdict), str(r.reason)[:120]))
+        out.append((k, phase, r.config.short(), round(r.stats.utilization, 3), str(r.verdict), reason_text(r.reason)[:120]))
     return out
 
 

@@ -4,7 +4,7 @@ from collections import namedtuple
 
 import torch
 
-from lightning_dltune.probe import batch_size_and_bytes, step_size_and_bytes
+from lightning_dltune.measure.probe import batch_size_and_bytes, step_size_and_bytes
 
 Pair = namedtuple("Pair", ["x", "y"])
 

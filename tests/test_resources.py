@@ -8,9 +8,9 @@ from collections import namedtuple
 
 import pytest
 
-from lightning_dltune import resources
-from lightning_dltune.policy import Budget
-from lightning_dltune.resources import (
+from lightning_dltune.control import resources
+from lightning_dltune.core.policy import Budget
+from lightning_dltune.control.resources import (
     local_world_size,
     memory_budget_bytes,
     rank_budget,

@@ -9,12 +9,13 @@ from typing import Optional
 import pytest
 import torch
 
-from lightning_dltune.config import LoaderConfig
-from lightning_dltune.distributed import pack, reduce_across_ranks, unpack
-from lightning_dltune.history import recall
-from lightning_dltune.model import PipelineModel
-from lightning_dltune.records import Budget, PolicySettings, Reason, ReasonKind, Verdict, WindowRecord
-from lightning_dltune.stats import (
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.measure.distributed import pack, reduce_across_ranks, unpack
+from lightning_dltune.core.history import recall
+from lightning_dltune.core.model import PipelineModel
+from lightning_dltune.core.records import Budget, PolicySettings, Reason, ReasonKind, Verdict, WindowRecord
+from lightning_dltune.report.words import reason_text
+from lightning_dltune.core.stats import (
     Pool,
     Reduce,
     UtilSource,
@@ -139,7 +140,7 @@ def test_a_record_round_trips_through_plain_values():
     assert WindowRecord.from_dict(saved) == record
     # prose reasons of older checkpoints come back as notes that print as they were
     saved["reason"] = "starved 20%: 5 workers"
-    assert str(WindowRecord.from_dict(saved).reason) == "starved 20%: 5 workers"
+    assert reason_text(WindowRecord.from_dict(saved).reason) == "starved 20%: 5 workers"
 
 
 def test_nan_is_unknown_in_rows():

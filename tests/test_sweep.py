@@ -15,9 +15,9 @@ import psutil
 import pytest
 import yaml
 
-from lightning_dltune.config import LoaderConfig
-from lightning_dltune.policy import Budget
-from lightning_dltune.sweep import (
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.policy import Budget
+from lightning_dltune.cli.sweep import (
     SweepPoint,
     build_grid,
     datamodule_loaders,

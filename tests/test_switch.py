@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data import dataloader as torch_dataloader
 
 from lightning_dltune import DataLoaderTuner, LoaderConfig
-from lightning_dltune.loader import build_loader
-from lightning_dltune.switch import CONFIRM_AFTER_BATCHES, LoaderSwitch, SwitchState
-from lightning_dltune.torch_internals import (
+from lightning_dltune.loaders.loader import build_loader
+from lightning_dltune.loaders.switch import CONFIRM_AFTER_BATCHES, LoaderSwitch, SwitchState
+from lightning_dltune.loaders.torch_internals import (
     check_torch_internals,
     is_machinery_failure,
     outstanding_tasks,
@@ -206,7 +206,7 @@ def test_shm_exhaustion_in_a_worker_is_a_machinery_failure():
     result = run_with_small_shm("""
         import json, torch
         from torch.utils.data import DataLoader, Dataset
-        from lightning_dltune.torch_internals import is_machinery_failure
+        from lightning_dltune.loaders.torch_internals import is_machinery_failure
         class Big(Dataset):
             def __len__(self): return 16
             def __getitem__(self, i): return torch.zeros(2**20)  # 4 MB a sample, 8 MB a batch

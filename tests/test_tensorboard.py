@@ -7,7 +7,7 @@ import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.tensorboard import DETAIL, HEADLINE, custom_scalars_layout, layout_tags
+from lightning_dltune.report.tensorboard import DETAIL, HEADLINE, custom_scalars_layout, layout_tags
 from tb_events import layout, scalars, texts
 from workloads import SleepStepModule, SleepyDataModule
 

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dltune import DataLoaderTuner
 from workloads import SleepStepModule, SleepyDataModule
+from lightning_dltune.report.words import reason_text
 
 pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
 
@@ -98,11 +99,11 @@ def test_one_long_epoch_whose_storage_slows_half_way_gets_more_workers_before_it
     windows = tuner.history
     assert len(windows) >= 4 and all(r.epoch == 0 for r in windows)
     assert all(r.end_batch for r in windows[:-1])  # windows closed mid-epoch, the last one at its end
-    slowed = next(i for i, r in enumerate(windows) if str(r.reason).startswith("conditions changed"))
+    slowed = next(i for i, r in enumerate(windows) if reason_text(r.reason).startswith("conditions changed"))
     before = windows[slowed - 1].next_config.num_workers
     # answered within two windows of the change, in the same epoch, with more workers
     assert any(r.next_config.num_workers > before for r in windows[slowed : slowed + 3]), [
-        (r.config.num_workers, round(r.starvation_ratio, 2), str(r.reason)[:80]) for r in windows]
+        (r.config.num_workers, round(r.starvation_ratio, 2), reason_text(r.reason)[:80]) for r in windows]
     assert windows[-1].config.num_workers > before
     assert windows[-1].starvation_ratio < windows[slowed].starvation_ratio
     # a window that saw the change closed early, at a look: the first one that saw it (the suspect,
@@ -141,7 +142,7 @@ def test_a_noisy_neighbour_for_one_epoch_does_not_leave_the_tuner_on_a_worse_con
     before = [r for r in tuner.history if r.epoch == 1]
     after = [r for r in tuner.history if r.epoch == 5]
     rate = lambda records: sorted(r.samples_per_s for r in records)[len(records) // 2]  # noqa: E731
-    trail = [(r.epoch, r.config.num_workers, round(r.starvation_ratio, 2), str(r.reason)[:70]) for r in tuner.history]
+    trail = [(r.epoch, r.config.num_workers, round(r.starvation_ratio, 2), reason_text(r.reason)[:70]) for r in tuner.history]
     # the epoch after the neighbour left runs at least as well as the one before it came, give or take noise
     assert rate(after) >= 0.8 * rate(before), trail
     assert after[-1].config.num_workers >= min(r.config.num_workers for r in before) - 1, trail

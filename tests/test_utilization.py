@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dltune.utilization import (
+from lightning_dltune.nvml.utilization import (
     TimeWeightedMean,
     TrainingSpans,
     idle_tail_us,

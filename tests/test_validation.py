@@ -5,9 +5,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 
-from lightning_dltune import DataLoaderTuner, LoaderConfig, TunableDataModule, validation
-from lightning_dltune.records import PolicySettings
-from lightning_dltune.resources import rank_budget
+from lightning_dltune import DataLoaderTuner, LoaderConfig, TunableDataModule
+from lightning_dltune.core import validation
+from lightning_dltune.core.records import PolicySettings
+from lightning_dltune.control.resources import rank_budget
 
 
 class Data(TunableDataModule, pl.LightningDataModule):

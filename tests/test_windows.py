@@ -2,8 +2,8 @@
 
 import math
 
-from lightning_dltune.stats import WindowStats
-from lightning_dltune.windows import NO_BATCH, WindowSchedule
+from lightning_dltune.core.stats import WindowStats
+from lightning_dltune.core.windows import NO_BATCH, WindowSchedule
 
 
 def paced(per_batch_s: float, batches: int = 50) -> WindowStats:

@@ -1,0 +1,268 @@
+"""The ``dltune`` command: a LightningCLI whose model and data are any classes named in YAML.
+
+    dltune fit --config configs/demo.yaml
+    dltune fit --config configs/demo.yaml --config logs/demo/version_0/dltune_recommendation.yaml
+    dltune sweep --config configs/demo.yaml          # the ladder test: every workers x prefetch point
+    python -m lightning_dltune fit --config configs/monitor_only.yaml
+
+Class paths resolve from the current directory too (``examples.image_pipeline.JpegDataModule`` from
+a checkout's root); the directory is searched after installed packages, so a stray file there
+(a ``pynvml.py``) never shadows a real module. Bad values are reported before anything starts,
+naming the key, and the command exits with status 2; a finished command exits with 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from lightning.pytorch.cli import ArgsType, LightningCLI
+
+DESCRIPTION = "lightning-dltune: a LightningCLI that measures and tunes your DataLoaders."
+SWEEP_DESCRIPTION = (
+    "dltune sweep: the ladder test. Measures the training step once, then times the train loader alone at"
+    " each num_workers x prefetch_factor point within the tuner's budget, and writes a table, a heatmap,"
+    " a JSON file and a recommendation that `dltune fit --config <your config> --config <it>` accepts."
+    " Takes the same config as `dltune fit`."
+)
+EXIT_INTERRUPTED = 130
+
+
+class DLTuneCLI(LightningCLI):
+    """LightningCLI that turns a bad argument into a command-line error instead of a traceback."""
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as exc:
+            self.parser.error(f"invalid configuration: {exc}")
+
+
+class SweepCLI(DLTuneCLI):
+    """The fit config (trainer, model, data) plus the sweep's own options, checked before anything starts."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument("--step-ms", type=Optional[float], default=None,
+                            help="Emulated training step in ms; default: measure real steps of the model.")
+        parser.add_argument("--steps", type=int, default=10, help="Real training steps to time (after 3 warm-up).")
+        parser.add_argument("--seconds-per-point", type=float, default=3.0,
+                            help="Time the loader runs at each grid point, after its first batch.")
+        parser.add_argument("--workers", type=Optional[list[int]], default=None,
+                            help="num_workers values, e.g. [0,2,4]; default: 0, 1, 2, 4, ... up to the budget.")
+        parser.add_argument("--prefetch", type=list[int], default=[1, 2, 4], help="prefetch_factor values.")
+        parser.add_argument("--min-gain", type=Optional[float], default=None,
+                            help="Recommend the leanest point within this share of the best samples/s;"
+                                 " default: the DataLoaderTuner's min_gain in the config, else 0.05.")
+        parser.add_argument("--out", type=str, default="dltune_sweep",
+                            help="Directory for dltune_sweep.json, dltune_sweep.png and dltune_recommendation.yaml.")
+
+    def before_instantiate_classes(self) -> None:
+        c = self.config
+        checks = [
+            ("--step-ms", c.step_ms is None or c.step_ms >= 0, "a number >= 0"),
+            ("--steps", c.steps >= 1, "an integer >= 1"),
+            ("--seconds-per-point", c.seconds_per_point > 0, "a number > 0"),
+            ("--workers", c.workers is None or (c.workers and min(c.workers) >= 0), "a non-empty list of integers >= 0"),
+            ("--prefetch", bool(c.prefetch) and min(c.prefetch) >= 1, "a non-empty list of integers >= 1"),
+            ("--min-gain", c.min_gain is None or 0 <= c.min_gain < 1, "a number in [0, 1)"),
+        ]
+        for option, ok, allowed in checks:
+            if not ok:
+                self.parser.error(f"`{option}` must be {allowed}, got {c[option.lstrip('-').replace('-', '_')]!r}.")
+
+
+def _import_from_cwd() -> None:
+    """Let class paths name modules of the current directory, after installed packages."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
+def build_cli(args: ArgsType = None, run: bool = True) -> DLTuneCLI:
+    """The ``dltune`` LightningCLI (``args``: command-line words; ``None``: ``sys.argv``)."""
+    _import_from_cwd()
+    return DLTuneCLI(
+        args=args,
+        run=run,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION + " `dltune sweep --help`: the loader ladder test."},
+    )
+
+
+def main(args: Optional[Sequence[str]] = None) -> int:
+    """Run ``dltune`` (``args``: command-line words; ``None``: ``sys.argv``); returns the exit status.
+
+    0 when the command finished; a bad configuration exits with 2 (``SystemExit``) before anything
+    starts; an interrupted sweep returns 130 after shutting its loader workers down.
+    """
+    words = list(sys.argv[1:] if args is None else args)
+    if words[:1] == ["sweep"]:
+        return sweep(words[1:])
+    build_cli(args if args is None else words)  # None: LightningCLI reads sys.argv itself
+    return 0
+
+
+def sweep(args: Sequence[str]) -> int:
+    """``dltune sweep``: parse the config, then measure the grid (see :mod:`lightning_dltune.cli.sweep`)."""
+    from lightning_dltune.datamodule import TunableDataModule
+
+    _import_from_cwd()
+    argv, sys.argv = sys.argv, ["dltune sweep", *args]  # LightningCLI warns when given words and sys.argv both
+    try:
+        with _quiet_lightning():
+            cli = SweepCLI(
+                run=False,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                parser_kwargs={"prog": "dltune sweep", "description": SWEEP_DESCRIPTION},
+            )
+    finally:
+        sys.argv = argv
+    if not isinstance(cli.datamodule, TunableDataModule):
+        cli.parser.error(
+            f"`data` must be a TunableDataModule for `dltune sweep` (it builds each point's loader), got"
+            f" {type(cli.datamodule).__name__}: add the lightning_dltune.TunableDataModule mixin to it."
+        )
+    from lightning_dltune.cli.interrupt import StopRequest
+
+    try:
+        with StopRequest().installed() as stop:
+            _run_sweep(cli, stop)
+    except KeyboardInterrupt:
+        print("dltune sweep: interrupted; the loader workers were shut down.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _run_sweep(cli: SweepCLI, stop: Any) -> None:
+    from lightning_dltune.cli import sweep as lab
+    from lightning_dltune.cli import sweep_report
+
+    options, datamodule = cli.config, cli.datamodule
+    started = time.perf_counter()
+    budget, min_gain = _tuner_limits(cli)
+    original = None
+    try:
+        samples, step_s, source = _step(cli)
+        stop.check()
+        original = datamodule.loader_config
+        make_loader = lab.datamodule_loaders(datamodule)
+        batch_bytes = _first_batch_bytes(make_loader, original)
+        pin = (False, True) if cli.trainer.strategy.root_device.type == "cuda" else (False,)
+        configs, skipped = lab.build_grid(original, budget, batch_bytes, options.workers, options.prefetch, pin)
+        result = lab.SweepResult(
+            step_ms=1e3 * step_s, step_source=source, batch_size=datamodule.batch_size, batch_bytes=batch_bytes,
+            seconds_per_point=options.seconds_per_point, min_gain=min_gain, budget=budget, skipped=skipped,
+            step_samples_ms=[1e3 * x for x in samples],
+        )
+        _say(f"step {sweep_report.step_text(result)}; {len(configs)} points x {result.seconds_per_point:g} s,"
+             f" budget: {budget.max_workers} workers")
+        lab.run_grid(make_loader, result, configs, on_point=_report_point, stop=stop.check)
+    finally:
+        if original is not None:
+            datamodule.set_loader_config(original)
+    result.elapsed_s = time.perf_counter() - started
+    print(sweep_report.sweep_table(result), flush=True)
+    _write_outputs(result, options.out)
+
+
+def _tuner_limits(cli: SweepCLI) -> tuple[Any, float]:
+    """The rank budget and ``min_gain`` the config's DataLoaderTuner would use (its defaults without one)."""
+    from lightning_dltune.callback import DataLoaderTuner
+    from lightning_dltune.control.resources import rank_budget
+
+    tuner = next((cb for cb in cli.trainer.callbacks if isinstance(cb, DataLoaderTuner)), None)
+    budget = rank_budget(
+        local_ranks=max(1, cli.trainer.num_devices),  # the fit's ranks on this node share it
+        max_workers=getattr(tuner, "max_workers", None),
+        memory_fraction=getattr(tuner, "memory_fraction", 0.5),
+        shm_fraction=getattr(tuner, "shm_fraction", 0.5),
+    )
+    min_gain = cli.config.min_gain
+    if min_gain is None:
+        min_gain = getattr(getattr(tuner, "settings", None), "min_gain", getattr(tuner, "min_gain", 0.05))
+    return budget, min_gain
+
+
+def _step(cli: SweepCLI) -> tuple[list[float], float, str]:
+    """(every timed step, the step in seconds, its source); sets the datamodule up either way."""
+    from lightning_dltune.cli import sweep as lab
+
+    options, trainer, datamodule = cli.config, cli.trainer, cli.datamodule
+    if options.step_ms is not None:
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        return [], options.step_ms / 1e3, "--step-ms"
+    device = trainer.strategy.root_device
+    trainer_kwargs = {"accelerator": device.type, "precision": trainer.precision,
+                      "devices": [device.index] if device.index is not None else 1}
+    _say(f"timing {options.steps} training steps of {type(cli.model).__name__} on {device}")
+    with _quiet_lightning():
+        samples = lab.measure_steps_s(cli.model, datamodule, trainer_kwargs, options.steps)
+    return samples, statistics.median(samples), "measured"
+
+
+def _write_outputs(result: Any, out: str) -> None:
+    from lightning_dltune.cli import sweep_report
+    from lightning_dltune.report.recommendation import write_recommendation
+
+    os.makedirs(out, exist_ok=True)
+    written = [sweep_report.write_json(result, os.path.join(out, sweep_report.JSON_FILE))]
+    try:
+        written.append(sweep_report.write_heatmap(result, os.path.join(out, sweep_report.HEATMAP_FILE)))
+    except ImportError:
+        _say("heatmap skipped: matplotlib is not installed (pip install matplotlib)")
+    rec = result.recommended
+    if rec is not None:
+        written.append(write_recommendation(out, rec.config, note=(
+            f"dltune sweep: leanest within {result.min_gain:.0%} of the best predicted fit"
+            f" ({rec.fit_samples_per_s:,.0f} samples/s) with a {sweep_report.step_text(result)} step")))
+    _say(f"{len(result.points)} points in {result.elapsed_s:.0f} s; wrote " + ", ".join(written))
+
+
+def _first_batch_bytes(make_loader: Any, base: Any) -> float:
+    """Bytes of one batch, from a loader without workers (the budget needs it before any point runs)."""
+    from lightning_dltune.cli import sweep as lab
+    from lightning_dltune.loaders.torch_internals import shutdown_workers
+
+    loader = make_loader(base.replace(num_workers=0))
+    try:
+        return float(lab.batch_nbytes(next(iter(loader))))
+    finally:
+        shutdown_workers(loader)
+
+
+def _report_point(point: Any) -> None:
+    c = point.config
+    _say(f"workers={c.num_workers} prefetch={c.prefetch_factor if c.num_workers else '-'}"
+         f"{' pin' if c.pin_memory else ''}: {point.samples_per_s:,.0f} samples/s,"
+         f" start-up {point.startup_s:.2f} s, predicted starvation {point.predicted_starvation:.0%}")
+
+
+def _say(message: str) -> None:
+    print(f"[dltune sweep] {message}", flush=True)
+
+
+class _quiet_lightning:
+    """Hide Lightning's set-up chatter (devices, model summary) while the step is timed."""
+
+    _NAMES = ("lightning.pytorch", "lightning.fabric")
+
+    def __enter__(self) -> None:
+        self._levels = [(logging.getLogger(n), logging.getLogger(n).level) for n in self._NAMES]
+        for logger, _ in self._levels:
+            logger.setLevel(logging.WARNING)
+
+    def __exit__(self, *exc: Any) -> None:
+        for logger, level in self._levels:
+            logger.setLevel(level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

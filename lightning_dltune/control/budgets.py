@@ -1,0 +1,88 @@
+"""The job's loader budget: this rank's resources reduced across ranks, the cap after a failed switch, the start clamp."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.policy import clamp_to_budget
+from lightning_dltune.core.records import Budget, PolicySettings
+from lightning_dltune.control.resources import rank_budget
+
+
+def job_budget(
+    trainer: Any,
+    device: Any,
+    max_workers: Optional[int],
+    memory_fraction: float,
+    shm_fraction: float,
+    worker_cap: Optional[int] = None,
+    held_workers: Optional[int] = None,
+) -> Budget:
+    """What every rank's loaders may use: the tightest rank's budget, so that all ranks decide alike.
+
+    ``worker_cap`` (after a failed switch) lowers the worker budget; ``held_workers`` (a stream that
+    does not shard by worker) pins it. A collective under DDP: every rank must call it.
+    """
+    local = rank_budget(
+        local_ranks=max(1, trainer.num_devices),
+        max_workers=max_workers,
+        memory_fraction=memory_fraction,
+        shm_fraction=shm_fraction,
+    )
+    workers = local.max_workers if worker_cap is None else min(local.max_workers, worker_cap)
+    if held_workers is not None:
+        workers = held_workers
+    if trainer.world_size <= 1:
+        return Budget(workers, local.memory_bytes, local.shm_bytes, local.cpus)
+    values = torch.tensor([workers, _or_inf(local.memory_bytes), _or_inf(local.shm_bytes), local.cpus],
+                          dtype=torch.float64, device=device)
+    w, mem, shm, cpus = trainer.strategy.reduce(values, reduce_op="min").tolist()
+    return Budget(int(w), None if math.isinf(mem) else mem, None if math.isinf(shm) else shm, cpus)
+
+
+def cap_after_failure(cap: Optional[int], failed: LoaderConfig, restored: LoaderConfig) -> Optional[int]:
+    """The worker cap after ``failed`` rolled back to ``restored``: at most halfway back up to what failed."""
+    if failed.num_workers <= restored.num_workers:
+        return cap
+    halfway = max(restored.num_workers, (restored.num_workers + failed.num_workers) // 2)
+    return halfway if cap is None else min(cap, halfway)
+
+
+def clamp_start(
+    config: LoaderConfig, budget: Budget, batch_bytes: Optional[int], loaders: int, settings: PolicySettings
+) -> LoaderConfig:
+    """The start config within ``budget`` before any worker starts (prefetch gives way first, then workers).
+
+    ``loaders`` loaders hold their workers' batches at once (persistent train and val workers), and
+    each loop holds one more batch of its own: the memory budgets are shared out accordingly.
+    """
+    if batch_bytes:
+        held = batch_bytes * (2 if config.pin_memory else 1)
+        share = lambda total: None if total is None else max(0.0, total / loaders - held)  # noqa: E731
+        budget = Budget(budget.max_workers, share(budget.memory_bytes), share(budget.shm_bytes), budget.cpus)
+    return clamp_to_budget(config, batch_bytes, budget, settings)[0]
+
+
+def clamp_datamodule_start(datamodule: Any, budget: Budget, settings: PolicySettings) -> Optional[str]:
+    """Bring a :class:`~lightning_dltune.TunableDataModule`'s start config within ``budget`` before any
+    loader (train, val, sanity check) starts; returns what to tell the user when it was clamped."""
+    config = datamodule.loader_config
+    # persistent train and val workers hold their batches at once
+    loaders = 2 if datamodule.val_dataset is not None and config.persistent_workers else 1
+    batch_bytes = datamodule.estimate_batch_bytes() if config.num_workers else None
+    clamped = clamp_start(config, budget, batch_bytes, loaders, settings)
+    if clamped == config:
+        return None
+    datamodule.set_loader_config(clamped)
+    size = f"{batch_bytes / 2**20:.1f} MB" if batch_bytes else "unknown size"
+    return (f"[dltune] start: {config.short()} passes the budget (at most {budget.max_workers} workers, prefetch"
+            f" {settings.max_prefetch_factor}, memory for prefetched batches of {size}); starting with"
+            f" {datamodule.loader_config.short()}")
+
+
+def _or_inf(value: Optional[float]) -> float:
+    return math.inf if value is None else float(value)

@@ -1,0 +1,174 @@
+"""One fit's tuning run: where windows close, what the policy decided, the loaders switched, the saved state.
+
+:class:`TuningRun` is the control loop between the callback's hooks and the policy. It takes a
+window's job-wide stats and returns its record; it never reads a Trainer. What it needs from the
+job (the cross-rank broadcast, the budget) comes in as arguments, so a unit test drives it window
+by window with plain stats and a real :class:`~lightning_dltune.TunableDataModule`.
+
+Example::
+
+    run = TuningRun(PolicySettings(), WindowSchedule(50, 3.0, first_batches=10), datamodule, tune=True)
+    run.open_window(0, epoch_batches=900, world_size=1, switchable=True)
+    record = run.close_window(config, stats, budget, epoch=0, global_step=10, end_batch=10)
+    run.running_config(record)  # the config the rest of the epoch runs
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+from lightning_dltune.control.budgets import cap_after_failure
+from lightning_dltune.control.switchable import FailureListener, SwitchableLoaders
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.history import detect_shift, same_conditions
+from lightning_dltune.core.policy import decide
+from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
+from lightning_dltune.core.stats import WindowStats
+from lightning_dltune.core.windows import WindowSchedule
+
+Broadcast = Callable[[Any], Any]
+"""Rank zero's object on every rank (``trainer.strategy.broadcast``); the identity with one process."""
+
+
+def _alone(obj: Any) -> Any:
+    return obj
+
+
+class TuningRun:
+    """The windows, decisions and loader changes of one fit, and what a checkpoint keeps of them.
+
+    Args:
+        settings: the policy's band, rebuild cap, gain threshold and deepest prefetch.
+        schedule: where this fit's windows close.
+        datamodule: the loaders to switch; ``None``: measure and recommend only.
+        tune: switch the loaders to the policy's configs (``False``: the decisions are what it would try).
+    """
+
+    def __init__(
+        self,
+        settings: PolicySettings,
+        schedule: WindowSchedule,
+        datamodule: Optional[SwitchableLoaders] = None,
+        tune: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.windows = schedule
+        self.datamodule = datamodule
+        self.tuning = tune and datamodule is not None
+        self.history: list[WindowRecord] = []
+        self.rebuilds = 0  # config changes in this fit
+        self.worker_cap: Optional[int] = None  # lowered when a switch rolled back
+        self.restored_config: Optional[LoaderConfig] = None  # from a checkpoint, applied at fit start
+        self.on_rollback: Optional[FailureListener] = None  # also told when a switch rolls back
+
+    # -- windows ---------------------------------------------------------------------------------
+    def open_window(self, first_batch: int, epoch_batches: float, world_size: int, switchable: bool) -> None:
+        """Plan the window opening at ``first_batch`` of an epoch of ``epoch_batches`` (``inf``: unknown).
+
+        It closes mid-epoch only where every rank reaches that batch (a known epoch length, or one
+        process) and, when tuning, where the training loaders can switch right there (``switchable``).
+        """
+        mid_epoch = (math.isfinite(epoch_batches) or world_size == 1) and (not self.tuning or switchable)
+        self.windows.open(first_batch, epoch_batches, mid_epoch, seen=bool(self.history), looks=self.tuning)
+
+    def shifted(self, config: Optional[LoaderConfig], stats: WindowStats) -> bool:
+        """Whether the open window so far shows new conditions against ``config``'s earlier windows."""
+        if config is None or not stats.fetches:
+            return False
+        prior = same_conditions(self.history, config)
+        return bool(prior) and detect_shift(prior, stats, config.num_workers) is not None
+
+    def looked(self, batch_idx: int) -> None:
+        """A look at ``batch_idx`` found the same conditions."""
+        self.windows.looked(batch_idx)
+
+    def close_window(
+        self,
+        config: LoaderConfig,
+        stats: WindowStats,
+        budget: Budget,
+        epoch: int,
+        global_step: int,
+        end_batch: Optional[int] = None,
+        broadcast: Broadcast = _alone,
+    ) -> Optional[WindowRecord]:
+        """Judge a window of ``config`` that measured the job-wide ``stats``; ``None`` without a fetch to judge.
+
+        Every rank runs the same numbers and keeps rank zero's decision and next window length (one
+        ``broadcast``). A changed config applies from the next epoch start or, mid-epoch (``end_batch``),
+        to the training loaders right away.
+        """
+        if stats.fetches == 0:  # no evidence: a window whose only fetch was the loader's start-up
+            return None
+        decision = decide(config, stats, budget, self.history, self.settings)
+        decision, self.windows.next_length = broadcast((decision, self.windows.length_after(stats)))
+        record = WindowRecord(epoch, config, stats, decision.verdict, decision.reason, decision.config,
+                              end_batch, global_step, decision.judged_util)
+        self.history.append(record)
+        if self.tuning:
+            self._apply(record, mid_epoch=end_batch is not None)
+        return record
+
+    def running_config(self, record: WindowRecord) -> LoaderConfig:
+        """The config the loaders run after ``record`` (a monitor's decision is only what it would try)."""
+        return record.next_config if self.tuning else record.config
+
+    def _apply(self, record: WindowRecord, mid_epoch: bool) -> None:
+        datamodule = self.datamodule
+        assert datamodule is not None
+        datamodule.mark_config_good()
+        if not record.changed:
+            return
+        self.rebuilds += 1
+        if mid_epoch:
+            datamodule.switch_train_loaders(record.next_config, on_failure=self.rolled_back)
+        else:
+            datamodule.set_loader_config(record.next_config)
+
+    # -- loaders ---------------------------------------------------------------------------------
+    def start_fit(self) -> None:
+        """At fit start: the restored config (a resumed fit) on the loaders, and rollback reported here."""
+        if self.tuning:
+            assert self.datamodule is not None
+            self.datamodule.enable_rollback(self.rolled_back)
+            if self.restored_config is not None:
+                self.datamodule.set_loader_config(self.restored_config)
+
+    def start_epoch(self) -> None:
+        """At an epoch start: the loaders built for the config the last window chose."""
+        if self.tuning:
+            self.datamodule.rebuild_loaders(on_failure=self.rolled_back)  # type: ignore[union-attr]
+
+    def rolled_back(self, failed: LoaderConfig, restored: LoaderConfig, exc: BaseException) -> None:
+        """A loader switch rolled back: at most halfway back up to ``failed`` from now on."""
+        self.worker_cap = cap_after_failure(self.worker_cap, failed, restored)
+        if self.on_rollback is not None:
+            self.on_rollback(failed, restored, exc)
+
+    def held_workers(self) -> Optional[int]:
+        """Workers the datamodule must keep (a stream that does not shard by worker), else ``None``."""
+        return self.datamodule.held_workers() if self.datamodule is not None else None
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self, current: Optional[LoaderConfig]) -> dict[str, Any]:
+        """What a checkpoint keeps: the config to resume with (``current`` before any window), the history,
+        the rebuild count, the worker cap after a failed switch and the next window's length."""
+        if self.history:
+            current = self.history[-1].next_config
+        return {
+            "config": current.as_dict() if current is not None else None,
+            "rebuilds": self.rebuilds,
+            "history": [record.to_dict() for record in self.history],
+            "worker_cap": self.worker_cap,
+            "next_window": self.windows.next_length,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a saved run (checkpoints from before a key existed load with its default)."""
+        config = state.get("config")
+        self.restored_config = LoaderConfig(**config) if config else None
+        self.rebuilds = state.get("rebuilds", 0)
+        self.worker_cap = state.get("worker_cap")
+        self.windows.next_length = state.get("next_window", self.windows.next_length)
+        self.history = [WindowRecord.from_dict(d) for d in state.get("history", [])]

@@ -1,0 +1,1 @@
+"""The tuner's mind, standard library only: window stats, records, the performance model, history and the policy."""

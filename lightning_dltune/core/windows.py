@@ -1,0 +1,81 @@
+"""Where the tuner's measurement windows close: arithmetic on batch indices, no torch, no Lightning.
+
+A window holds at least ``window_batches`` batches and ``window_seconds`` seconds at the last window's
+pace; the fit's first one is shorter (``first_batches``: judge the start config early). Windows close
+anywhere in an epoch and at every epoch end; an epoch's last window takes the tail when the tail would
+be shorter than half a window. A window longer than ``window_batches`` also *looks* every
+``window_batches`` batches (the callback closes it early there when conditions changed).
+
+Every input is the same on every DDP rank (the epoch's length, the broadcast length of the next
+window), so every rank closes the same window at the same batch index.
+
+Example::
+
+    schedule = WindowSchedule(window_batches=50, window_seconds=3.0, first_batches=10)
+    schedule.open(0, epoch_batches=900, mid_epoch=True, seen=False)
+    schedule.end  # 9: the first window closes after batch index 9
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lightning_dltune.core.stats import WindowStats
+
+NO_BATCH = -1  # "at the epoch end" for a close, "never" for a look
+_MOST_BATCHES = 1 << 20  # a window's length in batches is capped here (a step of microseconds)
+
+
+@dataclass
+class WindowSchedule:
+    """The open window's closing batch and next look, and the next window's length.
+
+    Args:
+        window_batches: fewest batches in a window.
+        window_seconds: shortest window in seconds, at the last window's pace.
+        first_batches: the fit's first window (``0``: a regular one).
+    """
+
+    window_batches: int
+    window_seconds: float
+    first_batches: int = 0
+    next_length: int = field(init=False)
+    end: int = NO_BATCH  # batch index of the epoch at which the open window closes
+    look: int = NO_BATCH  # batch index of the open window's next look for new conditions
+
+    def __post_init__(self) -> None:
+        self.next_length = self.first_batches or self.window_batches
+
+    def length_after(self, stats: WindowStats) -> int:
+        """Batches of the window after one that measured ``stats``: ``window_seconds`` at its pace, at least ``window_batches``."""
+        per_batch = (stats.fetch_wait_total_s + stats.step_total_s) / max(stats.batches, 1)
+        by_time = math.ceil(self.window_seconds / per_batch) if per_batch > 0 else 0
+        return max(self.window_batches, min(by_time, _MOST_BATCHES))
+
+    def open(self, first_batch: int, epoch_batches: float, mid_epoch: bool, seen: bool, looks: bool = False) -> None:
+        """A window opens at batch index ``first_batch`` of an epoch of ``epoch_batches`` (``inf``: unknown).
+
+        Args:
+            mid_epoch: whether it may close before the epoch end (every rank reaches the batch, and the
+                loaders can switch there).
+            seen: whether the fit already closed a window (else this is the first, ``first_batches`` long).
+            looks: whether a long window looks for new conditions every ``window_batches`` batches.
+        """
+        self.end = self.look = NO_BATCH
+        if not mid_epoch:
+            return
+        length = self.next_length
+        if looks and seen and length > self.window_batches:
+            self.look = first_batch + self.window_batches - 1
+        end = first_batch + length - 1
+        tail = math.ceil(length / 2) if seen else length  # the first window: an epoch at least twice as long
+        if math.isfinite(epoch_batches) and epoch_batches - (end + 1) < tail:
+            return
+        self.end = end
+
+    def looked(self, batch_idx: int) -> None:
+        """The look at ``batch_idx`` found the same conditions: the next one, if the window goes on that long."""
+        self.look = batch_idx + self.window_batches
+        if self.end != NO_BATCH and self.look >= self.end:
+            self.look = NO_BATCH

@@ -1,0 +1,1 @@
+"""Loaders the tuner can change: the instrumented DataLoader, the switch to a new config, torch's internals."""

@@ -1,0 +1,41 @@
+"""The job's window across DDP ranks: pack each rank's stats, gather them through the strategy, reduce.
+
+Packing and reduction follow the fields' declarations in :mod:`lightning_dltune.core.stats`; this module
+only moves the rows. torchmetrics' state sync is not used: it syncs through ``torch.distributed``
+itself, while a callback goes through ``trainer.strategy``, and the job's window keeps one rank's
+whole row (the most starved) rather than reducing each state on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, TypeVar
+
+import torch
+
+from lightning_dltune.core.stats import WindowStats, from_row, reduce_ranks, to_row
+
+S = TypeVar("S", bound=WindowStats)
+
+
+def pack(stats: WindowStats, device: Any = "cpu") -> torch.Tensor:
+    """One rank's stats as a flat float64 tensor (declaration order, ``nan`` for unknown)."""
+    return torch.tensor(to_row(stats), dtype=torch.float64, device=device)
+
+
+def unpack(cls: type[S], gathered: torch.Tensor | Sequence[Sequence[float]]) -> list[S]:
+    """Every rank's stats from the gathered rows (``world_size x fields``, or one flat row per rank)."""
+    fields = len(to_row(cls()))
+    if isinstance(gathered, torch.Tensor):
+        gathered = gathered.detach().reshape(-1, fields).cpu().tolist()
+    return [from_row(cls, row) for row in gathered]
+
+
+def reduce_across_ranks(strategy: Any, stats: S, world_size: int, device: Any = "cpu") -> S:
+    """The job's stats: every rank's gathered with ``strategy.all_gather`` and reduced by the declarations.
+
+    Every rank must call it at the same point (a collective); with one process it returns ``stats``.
+    """
+    if world_size <= 1:
+        return stats
+    gathered = strategy.all_gather(pack(stats, device))
+    return reduce_ranks(unpack(type(stats), gathered))

@@ -1,0 +1,136 @@
+"""Per-batch timers of one measurement window, aggregated into :class:`~lightning_dltune.core.stats.WindowStats`.
+
+The per-batch path is a few float adds and stores into preallocated buffers: no device sync, no
+tensor, no I/O, no growing containers.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Optional
+
+from lightning_dltune.core.stats import UtilSource, WindowStats
+
+UNKNOWN_READY = -1
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    idx = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
+    return sorted_values[idx]
+
+
+class WindowMeter:
+    """Accumulates fetch waits, step times, stalls and queue depth of one window.
+
+    Args:
+        stall_threshold_s: a fetch whose loader cannot report its ready queue counts as a stall
+            when it waited longer than this.
+        capacity: per-batch samples kept for percentiles (the most recent ``capacity`` batches;
+            sums and counts are exact over the whole window).
+    """
+
+    def __init__(self, stall_threshold_s: float = 1e-3, capacity: int = 8192) -> None:
+        self.stall_threshold_s = stall_threshold_s
+        self._capacity = capacity
+        self._fetch_buf = array("d", bytes(8 * capacity))
+        self._step_buf = array("d", bytes(8 * capacity))
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window."""
+        self.fetches = 0
+        self.fetch_wait_total_s = 0.0
+        self.stalls = 0
+        self.depth_sum = 0
+        self.depth_known = 0
+        self.steps = 0
+        self.step_total_s = 0.0
+        self.startup_s = 0.0
+        self.reset_interval()
+
+    # -- per-batch path -------------------------------------------------------------------------
+    def record_fetch(self, wait_s: float, ready: int = UNKNOWN_READY) -> None:
+        """One fetch that waited ``wait_s``; ``ready`` batches were waiting when it was asked (-1: unknown)."""
+        self._fetch_buf[self.fetches % self._capacity] = wait_s
+        self.fetches += 1
+        self.fetch_wait_total_s += wait_s
+        self.interval_fetch_wait_s += wait_s
+        if ready >= 0:
+            self.depth_sum += ready
+            self.depth_known += 1
+            stalled = ready == 0
+        else:
+            stalled = wait_s > self.stall_threshold_s
+        if stalled:
+            self.stalls += 1
+            self.interval_stalls += 1
+
+    def record_startup(self, seconds: float) -> None:
+        """Loader start-up (iterator creation, workers starting, pipeline fill): never fetch wait."""
+        self.startup_s += seconds
+
+    def record_step(self, step_s: float) -> None:
+        self._step_buf[self.steps % self._capacity] = step_s
+        self.steps += 1
+        self.step_total_s += step_s
+        self.interval_step_s += step_s
+        self.interval_batches += 1
+
+    # -- window end -----------------------------------------------------------------------------
+    def reset_interval(self) -> None:
+        """Start a new interval: the second, shorter window for step-granularity logging."""
+        self.interval_fetch_wait_s = 0.0
+        self.interval_step_s = 0.0
+        self.interval_stalls = 0
+        self.interval_batches = 0
+
+    def window_stats(
+        self,
+        batch_size: int = 0,
+        worker_batch_s: Optional[float] = None,
+        worker_cpu_fraction: Optional[float] = None,
+        batch_bytes: Optional[int] = None,
+        gpu_util: Optional[float] = None,
+        main_cpu_fraction: Optional[float] = None,
+        fetches_per_step: int = 1,
+    ) -> WindowStats:
+        """This rank's stats of the window (before any cross-rank reduction).
+
+        Batches are those whose step was measured. A fetch whose batch never reached a step (the
+        window ended) does not count. ``samples`` is ``batches * batch_size`` (``batch_size``: the
+        samples of one step, every train loader's batch together). ``fetches_per_step``: loaders
+        that each report a fetch for every step (several train loaders combined).
+        """
+        n_fetch = min(self.fetches, self._capacity)
+        n_step = min(self.steps, self._capacity)
+        fetch_sorted = sorted(self._fetch_buf[:n_fetch])
+        step_sorted = sorted(self._step_buf[:n_step])
+        batches = self.steps
+        # Without a prefetching fetcher every step has one fetch per loader; if fetches outnumber that,
+        # the extra ones were for batches not stepped yet, so sums are scaled to the stepped batches.
+        fetch_wait_total_s = self.fetch_wait_total_s
+        expected = batches * max(1, fetches_per_step)
+        if self.fetches > expected > 0:
+            fetch_wait_total_s *= expected / self.fetches
+        return WindowStats(
+            batches=batches,
+            samples=batches * batch_size,
+            fetch_wait_total_s=fetch_wait_total_s,
+            step_total_s=self.step_total_s,
+            fetch_wait_p50_s=_percentile(fetch_sorted, 0.50),
+            fetch_wait_p95_s=_percentile(fetch_sorted, 0.95),
+            step_p50_s=_percentile(step_sorted, 0.50),
+            step_p95_s=_percentile(step_sorted, 0.95),
+            stalls=self.stalls,
+            fetches=self.fetches,
+            queue_depth=(self.depth_sum / self.depth_known) if self.depth_known else None,
+            startup_s=self.startup_s,
+            worker_batch_s=worker_batch_s,
+            worker_cpu_fraction=worker_cpu_fraction,
+            batch_bytes=batch_bytes,
+            gpu_util=gpu_util,
+            util_source=UtilSource.NVML if gpu_util is not None else UtilSource.ESTIMATE,
+            main_cpu_fraction=main_cpu_fraction,
+        )

@@ -1,0 +1,190 @@
+"""This rank's measurement of one window: fetch and step timers, worker cost, CPU share, NVML, batch facts.
+
+The per-batch path (:meth:`WindowProbe.batch_started`, :meth:`WindowProbe.batch_ended`) is two clock
+reads, a few float adds and stores into preallocated buffers and one comparison for the NVML poll:
+no device sync, no tensor, no I/O, no growing container.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.datamodule import TunableDataModule
+from lightning_dltune.loaders.collection import flatten_loaders
+from lightning_dltune.nvml.sampler import UtilizationSampler
+from lightning_dltune.measure.lightning_internals import fetches_per_step, time_fit_loop_fetches
+from lightning_dltune.loaders.loader import TunedDataLoader, counters_of
+from lightning_dltune.loaders.switch import loader_config_of
+from lightning_dltune.measure.meter import WindowMeter
+from lightning_dltune.core.stats import WindowStats
+
+
+def batch_size_and_bytes(batch: Any) -> tuple[int, int]:
+    """Samples and tensor bytes of one batch: the first tensor's leading dimension, all tensors' bytes."""
+    tensors: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, tensors.append)
+    size = next((int(t.shape[0]) for t in tensors if t.ndim > 0), 1)
+    return size, sum(t.nelement() * t.element_size() for t in tensors)
+
+
+def step_size_and_bytes(batch: Any, loaders_per_step: int) -> tuple[int, int]:
+    """Samples and bytes of one step's batch; with several train loaders, of each loader's part together."""
+    parts = [batch]
+    if loaders_per_step > 1 and isinstance(batch, dict):
+        parts = list(batch.values())
+    elif loaders_per_step > 1 and isinstance(batch, (list, tuple)):
+        parts = list(batch)
+    sizes = [batch_size_and_bytes(part) for part in parts]
+    return sum(n for n, _ in sizes), sum(b for _, b in sizes)
+
+
+class WindowProbe:
+    """Measures one window of training batches on this rank and hands it over as :class:`WindowStats`.
+
+    Args:
+        stall_threshold_s: for loaders that cannot report their queue, a fetch waiting longer than
+            this is a stall.
+    """
+
+    def __init__(self, stall_threshold_s: float) -> None:
+        self.meter = WindowMeter(stall_threshold_s=stall_threshold_s)
+        self.sampler: Optional[UtilizationSampler] = None
+        self.config: Optional[LoaderConfig] = None  # the config the window runs
+        self.tuned_loaders = False  # every train loader reports its own fetches
+        self.switchable = False  # ... and can switch workers in the middle of an epoch (map-style data)
+        self.fetcher_missing = False  # a plain loader's fetches could not be timed
+        self.batch_unseen = False  # the step hooks got no batch (``training_step(dataloader_iter)``)
+        self._bytes_hint: Optional[Callable[[], Optional[int]]] = None
+        self._loaders: list = []
+        self._per_step = self._parts = 1
+        self._marks: list[tuple[Any, tuple[float, float, float]]] = []
+        self._wall0 = self._cpu0 = self._step0 = self._fetched0 = 0.0
+        self._first = True
+        self._util_paused = False
+        self._batch_size = 0
+        self._batch_bytes: Optional[int] = None
+
+    # -- the fit ---------------------------------------------------------------------------------
+    def open_sampler(self, device: Optional[torch.device], poll_interval_s: float) -> UtilizationSampler:
+        """NVML for ``device`` (``None``: never touch NVML, estimate only)."""
+        self.close()
+        self.sampler = UtilizationSampler(device, poll_interval_s=poll_interval_s)
+        return self.sampler
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
+        self._util_paused = False
+        for loader in self._loaders:
+            if isinstance(loader, TunedDataLoader):
+                loader.fetch_recorder = None
+        self._loaders = []
+
+    # -- windows ---------------------------------------------------------------------------------
+    def attach(self, trainer: Any, datamodule: Optional[TunableDataModule] = None) -> None:
+        """At an epoch start: the train loaders report to this probe and a window of their config starts.
+
+        The config is the datamodule's where there is one (it knows what it rebuilt), else the first
+        train loader's. The datamodule also estimates a batch's bytes where no batch reaches the hooks.
+        """
+        self._loaders = flatten_loaders(trainer.train_dataloader)
+        plain = [dl for dl in self._loaders if isinstance(dl, DataLoader)]
+        if datamodule is not None:
+            config: Optional[LoaderConfig] = datamodule.loader_config
+        else:
+            config = loader_config_of(plain[0]) if plain else (LoaderConfig() if self._loaders else None)
+        tuned = [dl for dl in self._loaders if isinstance(dl, TunedDataLoader)]
+        self.tuned_loaders = bool(self._loaders) and len(tuned) == len(self._loaders)
+        self.switchable = self.tuned_loaders and not any(isinstance(dl.dataset, IterableDataset) for dl in tuned)
+        for loader in tuned:
+            loader.fetch_recorder = self.meter
+        # a step takes a batch of each train loader (unless Lightning combines them sequentially); with
+        # our loaders each reports its own fetch, plain ones are timed together around the combined fetch
+        self._parts = fetches_per_step(trainer, len(self._loaders))
+        self._per_step = self._parts if self.tuned_loaders else 1
+        self._bytes_hint = datamodule.estimate_batch_bytes if datamodule is not None else None
+        self._first = True
+        self.start(config)
+
+    def start(self, config: Optional[LoaderConfig]) -> None:
+        """A new window of ``config`` from now on."""
+        self.meter.reset()
+        self.config = config
+        self._marks = [(c, c.totals()) for dl in self._loaders if (c := counters_of(dl)) is not None]
+        if self.sampler is not None:
+            self.sampler.start_window()
+            self.pause_util()  # loader start-up is not training: the next batch resumes
+        self._cpu0 = time.process_time()
+        self._wall0 = time.perf_counter()
+
+    # -- per batch -------------------------------------------------------------------------------
+    def batch_started(self, trainer: Any, batch: Any, now: float) -> None:
+        if self._first:
+            self._first_batch(trainer, batch, now)
+        if self._util_paused:
+            self._util_paused = False
+            self.sampler.resume()  # type: ignore[union-attr]
+        self._step0 = now
+        self._fetched0 = self.meter.fetch_wait_total_s
+
+    def batch_ended(self, now: float) -> None:
+        # a step that fetches its own batches (``dataloader_iter``) waited for them inside the step: that is fetch wait
+        inside = self.meter.fetch_wait_total_s - self._fetched0
+        self.meter.record_step(now - self._step0 - (inside if inside > 0.0 else 0.0))
+        if self.sampler is not None:
+            self.sampler.maybe_poll(now)
+
+    def pause_util(self) -> None:
+        """Not training until the next batch starts (validation, a checkpoint save, loader start-up)."""
+        if self.sampler is not None:
+            self.sampler.pause()
+            self._util_paused = True
+
+    def _first_batch(self, trainer: Any, batch: Any, now: float) -> None:
+        self._first = False
+        self.batch_unseen = batch is None
+        if batch is None:  # the step fetches its own batches: sizes from the loaders, bytes from a sample
+            self._batch_size = sum(getattr(dl, "batch_size", None) or 0 for dl in self._loaders) or 1
+            if self._batch_bytes is None and self._bytes_hint is not None:
+                self._batch_bytes = self._bytes_hint()
+        else:
+            self._batch_size, self._batch_bytes = step_size_and_bytes(batch, self._parts)
+        if not self.tuned_loaders:  # the loaders cannot report start-up and fetches themselves
+            self.meter.record_startup(now - self._wall0)
+            self.fetcher_missing = not time_fit_loop_fetches(trainer, self.meter)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples of one training step (every train loader's batch together); 0 before the first batch."""
+        return self._batch_size
+
+    # -- window end ------------------------------------------------------------------------------
+    def local_stats(self) -> WindowStats:
+        """This rank's stats of the window so far (before any cross-rank reduction)."""
+        batches = wall = cpu = 0.0
+        for counters, (b0, w0, c0) in self._marks:
+            b1, w1, c1 = counters.totals()
+            batches, wall, cpu = batches + b1 - b0, wall + w1 - w0, cpu + c1 - c0
+        worker_batch_s = wall / batches if batches > 0 and wall > 0 else None
+        worker_cpu_fraction = min(1.0, cpu / wall) if batches > 0 and wall > 0 else None
+        # the training process's own CPU share, less the batches it made itself (0 workers)
+        elapsed = time.perf_counter() - self._wall0
+        main_cpu = time.process_time() - self._cpu0
+        if self.config is not None and self.config.num_workers == 0:
+            main_cpu -= cpu
+        return self.meter.window_stats(
+            batch_size=self._batch_size,
+            worker_batch_s=worker_batch_s,
+            worker_cpu_fraction=worker_cpu_fraction,
+            batch_bytes=self._batch_bytes,
+            gpu_util=self.sampler.window_mean() if self.sampler is not None else None,
+            main_cpu_fraction=max(0.0, main_cpu) / elapsed if elapsed > 0 else None,
+            fetches_per_step=self._per_step,
+        )

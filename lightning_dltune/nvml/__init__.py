@@ -1,0 +1,1 @@
+"""GPU utilization from NVML: which device this rank trains on, the sampler, time-weighted means."""

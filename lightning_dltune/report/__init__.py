@@ -1,0 +1,1 @@
+"""What users read: reasons in words, the console table, logged metrics, the TensorBoard layout, the recommendation."""
