@@ -38,6 +38,6 @@ echo "setup.sh: installing lightning-dltune into .venv (log: $LOG) ..."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 run .venv/bin/python -m pip install -q --upgrade pip
 run .venv/bin/python -m pip install -q "$TORCH"
-run .venv/bin/python -m pip install -q -e ".[test,examples,bench]"
+run .venv/bin/python -m pip install -q -e ".[test,examples,bench,dev]"
 echo "$wanted" >"$STAMP"
 echo "setup.sh: done."
