@@ -122,11 +122,14 @@ class DataLoaderTuner(Callback):
     Example::
 
         from lightning import Trainer
-                from lightning_dltune import DataLoaderTuner
+        from lightning.pytorch.loggers import TensorBoardLogger
 
-        trainer = Trainer(callbacks=[DataLoaderTuner(band=(0.85, 0.95))], logger=TensorBoardLogger("logs"))
-        trainer.fit(model, datamodule=datamodule)
-        print(trainer.callbacks[0].history[-1])
+        from lightning_dltune import DataLoaderTuner
+
+        tuner = DataLoaderTuner(band=(0.85, 0.95))
+        trainer = Trainer(callbacks=[tuner], logger=TensorBoardLogger("logs"))
+        trainer.fit(model, datamodule=datamodule)  # datamodule: a TunableDataModule
+        print(tuner.history[-1].next_config)
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The DataModule mixin whose train and val loaders the tuner can rebuild between epochs."""
+"""The DataModule mixin whose train and val loaders the tuner can switch to a new config, mid-epoch or between epochs."""
 
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ class TunableDataModule:
     Set ``self.train_dataset`` and ``self.val_dataset`` in ``setup()``; the mixin builds the loaders
     from the current :attr:`loader_config`: ``drop_last=True`` for training (every step sees a full
     batch), ``drop_last=False`` for validation (every sample is seen once). When the
-    :class:`~lightning_dltune.DataLoaderTuner` picks a new config, the live loaders are rebuilt in
-    place at the next epoch start (old workers shut down first), keeping Lightning's sampler,
-    ``DistributedSampler`` included. Each change is a :class:`~lightning_dltune.loaders.switch.LoaderSwitch`:
+    :class:`~lightning_dltune.DataLoaderTuner` picks a new config, the live loaders switch in place:
+    mid-epoch where the sampler allows it (a map-style dataset with torch's samplers: the rest of the
+    epoch's indices go to the new workers), otherwise at the next epoch start; the old workers shut
+    down first, and Lightning's sampler is kept, ``DistributedSampler`` included. Each change is a :class:`~lightning_dltune.loaders.switch.LoaderSwitch`:
     if the loader machinery fails before the new config has delivered a few windows' worth of
     batches, the loader goes back to the last good config and the batches the dead workers held are
     loaded again (every sample once); an error raised by your dataset, collate or
@@ -124,7 +125,7 @@ class TunableDataModule:
     # -- config ---------------------------------------------------------------------------------
     @property
     def loader_config(self) -> LoaderConfig:
-        """The config the loaders run with (or will, from the next epoch start)."""
+        """The config the loaders run with (or will, once they switch to it)."""
         self._resolve_pin_memory()
         return self._loader_config
 

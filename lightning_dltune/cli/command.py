@@ -103,19 +103,19 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     """
     words = list(sys.argv[1:] if args is None else args)
     if words[:1] == ["sweep"]:
-        return sweep(words[1:])
+        return sweep_command(words[1:])
     build_cli(args if args is None else words)  # None: LightningCLI reads sys.argv itself
     return 0
 
 
-def sweep(args: Sequence[str]) -> int:
+def sweep_command(args: Sequence[str]) -> int:
     """``dltune sweep``: parse the config, then measure the grid (see :mod:`lightning_dltune.cli.sweep`)."""
     from lightning_dltune.datamodule import TunableDataModule
 
     _import_from_cwd()
     argv, sys.argv = sys.argv, ["dltune sweep", *args]  # LightningCLI warns when given words and sys.argv both
     try:
-        with _quiet_lightning():
+        with _QuietLightning():
             cli = SweepCLI(
                 run=False,
                 subclass_mode_model=True,
@@ -141,7 +141,7 @@ def sweep(args: Sequence[str]) -> int:
 
 
 def _run_sweep(cli: SweepCLI, stop: Any) -> None:
-    from lightning_dltune.cli import sweep as lab
+    from lightning_dltune.cli import sweep
     from lightning_dltune.cli import sweep_report
 
     options, datamodule = cli.config, cli.datamodule
@@ -152,18 +152,18 @@ def _run_sweep(cli: SweepCLI, stop: Any) -> None:
         samples, step_s, source = _step(cli)
         stop.check()
         original = datamodule.loader_config
-        make_loader = lab.datamodule_loaders(datamodule)
+        make_loader = sweep.datamodule_loaders(datamodule)
         batch_bytes = _first_batch_bytes(make_loader, original)
         pin = (False, True) if cli.trainer.strategy.root_device.type == "cuda" else (False,)
-        configs, skipped = lab.build_grid(original, budget, batch_bytes, options.workers, options.prefetch, pin)
-        result = lab.SweepResult(
+        configs, skipped = sweep.build_grid(original, budget, batch_bytes, options.workers, options.prefetch, pin)
+        result = sweep.SweepResult(
             step_ms=1e3 * step_s, step_source=source, batch_size=datamodule.batch_size, batch_bytes=batch_bytes,
             seconds_per_point=options.seconds_per_point, min_gain=min_gain, budget=budget, skipped=skipped,
             step_samples_ms=[1e3 * x for x in samples],
         )
         _say(f"step {sweep_report.step_text(result)}; {len(configs)} points x {result.seconds_per_point:g} s,"
              f" budget: {budget.max_workers} workers")
-        lab.run_grid(make_loader, result, configs, on_point=_report_point, stop=stop.check)
+        sweep.run_grid(make_loader, result, configs, on_point=_report_point, stop=stop.check)
     finally:
         if original is not None:
             datamodule.set_loader_config(original)
@@ -192,7 +192,7 @@ def _tuner_limits(cli: SweepCLI) -> tuple[Any, float]:
 
 def _step(cli: SweepCLI) -> tuple[list[float], float, str]:
     """(every timed step, the step in seconds, its source); sets the datamodule up either way."""
-    from lightning_dltune.cli import sweep as lab
+    from lightning_dltune.cli import sweep
 
     options, trainer, datamodule = cli.config, cli.trainer, cli.datamodule
     if options.step_ms is not None:
@@ -203,8 +203,8 @@ def _step(cli: SweepCLI) -> tuple[list[float], float, str]:
     trainer_kwargs = {"accelerator": device.type, "precision": trainer.precision,
                       "devices": [device.index] if device.index is not None else 1}
     _say(f"timing {options.steps} training steps of {type(cli.model).__name__} on {device}")
-    with _quiet_lightning():
-        samples = lab.measure_steps_s(cli.model, datamodule, trainer_kwargs, options.steps)
+    with _QuietLightning():
+        samples = sweep.measure_steps_s(cli.model, datamodule, trainer_kwargs, options.steps)
     return samples, statistics.median(samples), "measured"
 
 
@@ -228,12 +228,12 @@ def _write_outputs(result: Any, out: str) -> None:
 
 def _first_batch_bytes(make_loader: Any, base: Any) -> float:
     """Bytes of one batch, from a loader without workers (the budget needs it before any point runs)."""
-    from lightning_dltune.cli import sweep as lab
+    from lightning_dltune.cli import sweep
     from lightning_dltune.loaders.torch_internals import shutdown_workers
 
     loader = make_loader(base.replace(num_workers=0))
     try:
-        return float(lab.batch_nbytes(next(iter(loader))))
+        return float(sweep.batch_nbytes(next(iter(loader))))
     finally:
         shutdown_workers(loader)
 
@@ -249,7 +249,7 @@ def _say(message: str) -> None:
     print(f"[dltune sweep] {message}", flush=True)
 
 
-class _quiet_lightning:
+class _QuietLightning:
     """Hide Lightning's set-up chatter (devices, model summary) while the step is timed."""
 
     _NAMES = ("lightning.pytorch", "lightning.fabric")

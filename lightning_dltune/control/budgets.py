@@ -79,7 +79,7 @@ def clamp_datamodule_start(datamodule: Any, budget: Budget, settings: PolicySett
         return None
     datamodule.set_loader_config(clamped)
     size = f"{batch_bytes / 2**20:.1f} MB" if batch_bytes else "unknown size"
-    return (f"[dltune] start: {config.short()} passes the budget (at most {budget.max_workers} workers, prefetch"
+    return (f"[dltune] start: {config.short()} exceeds the budget (at most {budget.max_workers} workers, prefetch"
             f" {settings.max_prefetch_factor}, memory for prefetched batches of {size}); starting with"
             f" {datamodule.loader_config.short()}")
 

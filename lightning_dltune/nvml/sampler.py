@@ -129,7 +129,7 @@ class UtilizationSampler:
         self._util_samples = 1
         self._failures = 0
         self._cursor_us = 0  # NVML cursor: newest sample timestamp already read
-        self._probe_started_us = 0.0
+        self._poll_started_us = 0.0
         self._empty_reads = 0
         self._next_poll = math.inf  # the whole per-batch cost: ``now < self._next_poll``
         self._window = UtilizationWindow()
@@ -198,7 +198,7 @@ class UtilizationSampler:
 
     # -- window control -------------------------------------------------------------------------
     def start_window(self) -> None:
-        """Begin a training window (an epoch): forget every older reading."""
+        """Begin a measurement window (anywhere in an epoch): forget every older reading."""
         if not self._live():
             return
         if self._mode != MODE_RATES:
@@ -302,13 +302,13 @@ class UtilizationSampler:
             else:
                 self._reason = reason
             return
-        self._probe()
+        self._poll()
 
-    def _probe(self) -> None:
+    def _poll(self) -> None:
         """Samples if the first read returns any; probing if the buffer is empty; rates if samples fail."""
         nvml = self._nvml
         self._util_samples = int(getattr(nvml, "NVML_GPU_UTILIZATION_SAMPLES", 1))
-        self._probe_started_us = _now_us()
+        self._poll_started_us = _now_us()
         try:
             _, samples = nvml.nvmlDeviceGetSamples(self._handle, self._util_samples, 0)
         except Exception as err:
@@ -379,7 +379,7 @@ class UtilizationSampler:
         if self._mode != _MODE_PROBING:
             return
         self._empty_reads += 1
-        waited_us = _now_us() - self._probe_started_us
+        waited_us = _now_us() - self._poll_started_us
         if self._empty_reads >= _CONFIRM_READS and waited_us >= _CONFIRM_US:
             self._mode = MODE_RATES
             self._mode_note = (
