@@ -14,6 +14,7 @@ import time
 from typing import Any, Optional
 
 from strategies import BAND, MB
+
 from lightning_dltune.report.words import reason_text
 
 
@@ -32,32 +33,76 @@ def _per_epoch(history):
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """One fit, in this process: the workload under one loader config, timed and recorded by the tuner."""
+    import lightning.pytorch as pl
+    from phases import BatchClock, CpuHog, clock_summary
+    from workloads import WORKLOADS
+
+    from lightning_dltune import DataLoaderTuner
+
+    _quiet_single_threaded()
+    pl.seed_everything(spec.get("seed", 0), verbose=False)
+    workload = WORKLOADS[spec["workload"]].scaled(spec["train_batches"])
+    if spec.get("slowed_throughout"):
+        workload = workload.slowed_throughout()  # a grid point of a phased workload: the judged phase alone
+    memory_fraction = _memory_fraction(workload)
+
+    tuner = DataLoaderTuner(tune=spec["tune"], band=BAND, util_source="estimate", memory_fraction=memory_fraction,
+                            verbose=False, recommendation_file=False)
+    clock = _epoch_clock(memory_fraction)
+    batch_clock = BatchClock()
+    hog = CpuHog(workload.hog_epoch) if workload.hog_epoch is not None else None
+    callbacks = [tuner, clock, batch_clock] + ([hog] if hog else [])
+    fit_s, fit_started, fit_ended, t1 = _timed_fit(spec, workload, callbacks)
+    phase_start = 0 if spec.get("slowed_throughout") else workload.phase_start()
+    clocked = clock_summary(batch_clock, t1, phase_start, BAND[0])
+    if hog is not None:
+        clocked["hog_s"] = None if hog.started_at is None else (hog.ended_at or t1) - hog.started_at
+
+    return {
+        "fit_s": fit_s,
+        "fit_started_at": fit_started,
+        "fit_ended_at": fit_ended,
+        "train_started_at": clock.marks[0] if clock.marks else fit_started,
+        "epochs": _epoch_rows(tuner.history, clock),
+        "loader_rebuilds": tuner.rebuilds,  # config changes applied (an early first-epoch switch included)
+        "memory_fraction": memory_fraction,
+        "recommended": None if tuner.recommended_config is None else tuner.recommended_config.as_dict(),
+        "phase_start": phase_start,
+        **clocked,
+        "windows": _window_rows(tuner.history),
+    }
+
+
+def _quiet_single_threaded() -> None:
+    """Lightning's info lines and warnings off; torch on one intra-op thread."""
     import logging
     import warnings
 
-    import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.callbacks import Callback
-
-    from lightning_dltune import DataLoaderTuner
-    from lightning_dltune.control.resources import memory_budget_bytes, rank_budget
-    from phases import BatchClock, CpuHog, EpochFlag, clock_summary
-    from workloads import EPOCH_FILE_ENV, WORKLOADS, build
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     # one intra-op thread, as in DataLoader workers: on 2 cores, OpenMP threads of a 0-worker loader's tensor
     # ops spin against any other busy process and slowed such fits ~20x in trials, an artefact of the CPU host
     torch.set_num_threads(1)
-    pl.seed_everything(spec.get("seed", 0), verbose=False)
-    workload = WORKLOADS[spec["workload"]].scaled(spec["train_batches"])
-    if spec.get("slowed_throughout"):
-        workload = workload.slowed_throughout()  # a grid point of a phased workload: the judged phase alone
+
+
+def _memory_fraction(workload) -> float:
+    """The tuner's ``memory_fraction``: its default, or the workload's stated budget as a share of available RAM."""
+    from lightning_dltune.control.resources import memory_budget_bytes
 
     memory_fraction = 0.5  # the tuner's default
     if workload.memory_budget_mb is not None:
         available = memory_budget_bytes() or float(workload.memory_budget_mb * MB)
         memory_fraction = min(1.0, workload.memory_budget_mb * MB / available)
+    return memory_fraction
+
+
+def _epoch_clock(memory_fraction: float):
+    """A callback keeping the fit's wall-clock marks and, at every epoch end, the tuner's memory budget."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_dltune.control.resources import rank_budget
 
     class EpochClock(Callback):
         """Wall-clock marks of the fit (unix time, to line up with the parent's memory samples)."""
@@ -74,13 +119,17 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             budget = rank_budget(memory_fraction=memory_fraction)
             self.budget_mb.append(None if budget.memory_bytes is None else budget.memory_bytes / MB)
 
-    tuner = DataLoaderTuner(tune=spec["tune"], band=BAND, util_source="estimate", memory_fraction=memory_fraction,
-                            verbose=False, recommendation_file=False)
-    clock = EpochClock()
-    batch_clock = BatchClock()
-    hog = CpuHog(workload.hog_epoch) if workload.hog_epoch is not None else None
+    return EpochClock()
+
+
+def _timed_fit(spec: dict[str, Any], workload, callbacks: list) -> tuple[float, float, float, float]:
+    """``trainer.fit`` of the workload at the spec's config: ``(fit_s, started_at, ended_at, perf_counter at end)``."""
+    import lightning.pytorch as pl
+    from phases import EpochFlag
+    from workloads import EPOCH_FILE_ENV, build
+
     with tempfile.TemporaryDirectory(prefix="dltune-bench-") as root:
-        callbacks = [tuner, clock, batch_clock] + ([hog] if hog else [])
+        callbacks = list(callbacks)
         if workload.slow_from_epoch is not None:
             os.environ[EPOCH_FILE_ENV] = os.path.join(root, "epoch")  # read by the dataset in every worker
             callbacks.append(EpochFlag(os.environ[EPOCH_FILE_ENV]))
@@ -94,15 +143,14 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         trainer.fit(model, datamodule=data)
         t1 = time.perf_counter()
-        fit_s = t1 - t0
         fit_ended = time.time()
-    phase_start = 0 if spec.get("slowed_throughout") else workload.phase_start()
-    clocked = clock_summary(batch_clock, t1, phase_start, BAND[0])
-    if hog is not None:
-        clocked["hog_s"] = None if hog.started_at is None else (hog.ended_at or t1) - hog.started_at
+    return t1 - t0, fit_started, fit_ended, t1
 
+
+def _epoch_rows(history, clock) -> list[dict[str, Any]]:
+    """One row per epoch: its config, the tuner's merged stats and verdict, its wall time and memory budget."""
     epochs = []
-    for i, (record, s) in enumerate(_per_epoch(tuner.history)):
+    for i, (record, s) in enumerate(_per_epoch(history)):
         wall = clock.marks[i + 1] - clock.marks[i] if i + 1 < len(clock.marks) else None
         epochs.append({
             "epoch": record.epoch,
@@ -128,21 +176,14 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             "ended_at": clock.marks[i + 1] if i + 1 < len(clock.marks) else None,
             "memory_budget_mb": clock.budget_mb[i] if i < len(clock.budget_mb) else None,
         })
-    return {
-        "fit_s": fit_s,
-        "fit_started_at": fit_started,
-        "fit_ended_at": fit_ended,
-        "train_started_at": clock.marks[0] if clock.marks else fit_started,
-        "epochs": epochs,
-        "loader_rebuilds": tuner.rebuilds,  # config changes applied (an early first-epoch switch included)
-        "memory_fraction": memory_fraction,
-        "recommended": None if tuner.recommended_config is None else tuner.recommended_config.as_dict(),
-        "phase_start": phase_start,
-        **clocked,
-        "windows": [{  # every decision, where it closed: the trail of a fit whose epochs are few and long
-            "epoch": r.epoch, "end_batch": r.end_batch, "step": r.step,
-            "config": [r.config.num_workers, r.config.prefetch_factor],
-            "next_config": [r.next_config.num_workers, r.next_config.prefetch_factor],
-            "utilization": r.stats.utilization, "verdict": str(r.verdict), "reason": reason_text(r.reason),
-        } for r in tuner.history],
-    }
+    return epochs
+
+
+def _window_rows(history) -> list[dict[str, Any]]:
+    """Every decision, where it closed: the trail of a fit whose epochs are few and long."""
+    return [{
+        "epoch": r.epoch, "end_batch": r.end_batch, "step": r.step,
+        "config": [r.config.num_workers, r.config.prefetch_factor],
+        "next_config": [r.next_config.num_workers, r.next_config.prefetch_factor],
+        "utilization": r.stats.utilization, "verdict": str(r.verdict), "reason": reason_text(r.reason),
+    } for r in history]

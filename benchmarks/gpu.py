@@ -242,7 +242,8 @@ def write_outputs(results: dict[str, Any], out: str) -> None:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    meta, summary, check = results["meta"], results.get("summary", {}), results.get("nvml_check", {})
+    """``gpu.md``: the run's setting, the NVML check, every fit, the tuned fits' windows, the summary."""
+    meta = results["meta"]
     machine = meta.get("machine", {})
     lines = [
         f"# GPU benchmark ({meta['mode']}, device {meta['device']})", "",
@@ -251,8 +252,17 @@ def render_markdown(results: dict[str, Any]) -> str:
         f" {meta.get('wall_s', 0):.0f} s in all.", "",
         f"Model: {meta['model']}. Data: the JPEG example pipeline, batch {meta['batch_size']},"
         f" {meta['batches_per_epoch']} batches x {meta['epochs']} epochs per fit, precision {meta['precision']}.", "",
-        "## NVML check", "",
     ]
+    lines += _check_lines(results.get("nvml_check", {}))
+    lines += _fit_lines(results["runs"])
+    lines += _tuned_window_lines(results["runs"])
+    lines += _summary_lines(results.get("summary", {}))
+    return "\n".join(lines) + "\n"
+
+
+def _check_lines(check: dict[str, Any]) -> list[str]:
+    """The NVML check's table, or why it did not run."""
+    lines = ["## NVML check", ""]
     if check.get("checks"):
         lines += [f"{'all passed' if check.get('passed') else 'FAILED'}:", "", "| check | result | value | expected |",
                   "|---|---|---|---|"]
@@ -260,9 +270,14 @@ def render_markdown(results: dict[str, Any]) -> str:
                   for c in check["checks"]]
     else:
         lines.append(f"not run: {check.get('skipped') or check.get('error')}")
-    lines += ["", "## Fits", "", "| run | start | fit s | samples/s | last window's config | windows: NVML / estimate |",
-              "|---|---|---|---|---|---|"]
-    for r in results["runs"]:
+    return lines
+
+
+def _fit_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """One row per fit: start, fit time, samples/s, the last window's config, NVML / estimate per window."""
+    lines = ["", "## Fits", "", "| run | start | fit s | samples/s | last window's config | windows: NVML / estimate |",
+             "|---|---|---|---|---|---|"]
+    for r in runs:
         if "error" in r:
             lines.append(f"| {r['label']} | {r['start_workers']} | failed: {r['error'][:80]} | | | |")
             continue
@@ -270,23 +285,33 @@ def render_markdown(results: dict[str, Any]) -> str:
         final = r["final_config"] or {}
         lines.append(f"| {r['label']} | {r['start_workers']}x{r['prefetch_factor']} | {r['fit_s']:.1f} |"
                      f" {r['samples_per_s']:.0f} | {final.get('num_workers')}x{final.get('prefetch_factor')} | {pairs} |")
-    lines += ["", "## Windows of the tuned fits", "",
-              "| run | epoch | config | samples/s | NVML | estimate | fetch wait ms | step ms | verdict |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
+    return lines
+
+
+def _tuned_window_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """Every window of the tuned fits: where it closed, its config, samples/s, NVML, estimate, clocks, verdict."""
+    lines = ["", "## Windows of the tuned fits", "",
+             "| run | epoch | config | samples/s | NVML | estimate | fetch wait ms | step ms | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
         if r.get("tuned") and "error" not in r:
             for w in r["windows"]:
                 part = f" (first {w['end_batch']})" if w["end_batch"] else ""
                 lines.append(f"| {r['label']} | {w['epoch']}{part} | {w['num_workers']}x{w['prefetch_factor']} |"
                              f" {w['samples_per_s']:.0f} | {_f(w['nvml_util'])} {w['nvml_mode'] or ''} |"
                              f" {_f(w['estimate'])} | {w['fetch_wait_ms']:.1f} | {w['step_ms']:.1f} | {w['verdict']} |")
+    return lines
+
+
+def _summary_lines(summary: dict[str, Any]) -> list[str]:
+    """The oracle, tuned / oracle and default / tuned time, |NVML - estimate|, and the verdicts against NVML."""
     nv, verdicts, oracle = summary.get("nvml_vs_estimate", {}), summary.get("verdicts", {}), summary.get("oracle")
-    lines += ["", "## Summary", "",
-              f"- oracle (leanest static config within 2 % of the fastest): {oracle and oracle['label']}"
-              f" ({_f(oracle and oracle['fit_s'], '{:.1f}')} s)",
-              f"- tuned fit: {_f(summary.get('tuned_fit_s'), '{:.1f}')} s (median of {summary.get('tuned_fit_s_each')})",
-              f"- tuned / oracle time: {_f(summary.get('tuned_over_oracle_time'))};"
-              f" default (0 workers) / tuned time: {_f(summary.get('default_over_tuned_time'))}"]
+    lines = ["", "## Summary", "",
+             f"- oracle (leanest static config within 2 % of the fastest): {oracle and oracle['label']}"
+             f" ({_f(oracle and oracle['fit_s'], '{:.1f}')} s)",
+             f"- tuned fit: {_f(summary.get('tuned_fit_s'), '{:.1f}')} s (median of {summary.get('tuned_fit_s_each')})",
+             f"- tuned / oracle time: {_f(summary.get('tuned_over_oracle_time'))};"
+             f" default (0 workers) / tuned time: {_f(summary.get('default_over_tuned_time'))}"]
     if nv.get("windows"):
         lines.append(f"- |NVML - estimate| over {nv['windows']} windows: mean {nv['mean_abs']:.3f}, median"
                      f" {nv['median_abs']:.3f}, max {nv['max_abs']:.3f} (NVML read as {', '.join(nv['modes'])})")
@@ -296,7 +321,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                   f" (estimate {d['estimate']:.2f})" for d in verdicts["disagreements"]]
     else:
         lines.append(f"- NVML vs estimate: {nv.get('note')}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 # ============================================================================================ main
@@ -327,6 +352,26 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     started = time.perf_counter()
+    torch = _quiet_torch_for(args.device)
+    mode = SETTINGS["quick" if args.quick else "full"]
+    _, model_name, is_resnet = build_model(args.device, args.quick)
+    results: dict[str, Any] = {"meta": _meta(args, mode, model_name, is_resnet, torch), "runs": []}
+    print(f"[gpu bench] {results['meta']['mode']} on {args.device}: {model_name}", flush=True)
+    results["nvml_check"] = _nvml_check(args, torch)
+    write_outputs(results, args.out)
+
+    from workloads import _jpeg_folder
+
+    _jpeg_folder()  # generate the images once, before any fit is timed
+    warm_up(args.device, args.quick, mode["batch_size"], 160)
+    _run_fits(results, plan(args), args, started)
+    print(f"[gpu bench] step 3: summary in {os.path.join(args.out, 'gpu.md')}", flush=True)
+    print(render_markdown(results).split("## Summary", 1)[-1].strip(), flush=True)
+    return results
+
+
+def _quiet_torch_for(device: str) -> Any:
+    """torch, with Lightning's info lines and warnings off; exits where ``cuda`` is asked and torch sees none."""
     import logging
     import warnings
 
@@ -336,42 +381,44 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         logging.getLogger(name).setLevel(logging.WARNING)  # the progress lines here say what runs
     warnings.filterwarnings("ignore")
 
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device (use --device cpu --quick for the CPU run)")
-    if args.device == "cpu":
+    if device == "cpu":
         torch.set_num_threads(1)  # as the tuning benchmark: no OpenMP threads spinning against the workers
-    mode = SETTINGS["quick" if args.quick else "full"]
-    _, model_name, is_resnet = build_model(args.device, args.quick)
-    results: dict[str, Any] = {
-        "meta": {"mode": "quick" if args.quick else "full", "device": args.device, "model": model_name,
-                 "resnet18": is_resnet, "batch_size": mode["batch_size"],
-                 "batches_per_epoch": mode["batches"], "epochs": mode["epochs"], "band": BAND,
-                 "precision": "bf16-mixed" if args.device == "cuda" else "32-true",
-                 "gpu_name": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                 "machine": machine_info(), "rule_of_thumb_workers": rule_of_thumb_workers()},
-        "runs": [],
-    }
-    print(f"[gpu bench] {results['meta']['mode']} on {args.device}: {model_name}", flush=True)
+    return torch
+
+
+def _meta(args: argparse.Namespace, mode: dict[str, Any], model_name: str, is_resnet: bool,
+          torch: Any) -> dict[str, Any]:
+    """The run's meta: mode, device, model, what one fit runs, the GPU, the machine."""
+    return {"mode": "quick" if args.quick else "full", "device": args.device, "model": model_name,
+            "resnet18": is_resnet, "batch_size": mode["batch_size"],
+            "batches_per_epoch": mode["batches"], "epochs": mode["epochs"], "band": BAND,
+            "precision": "bf16-mixed" if args.device == "cuda" else "32-true",
+            "gpu_name": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+            "machine": machine_info(), "rule_of_thumb_workers": rule_of_thumb_workers()}
+
+
+def _nvml_check(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
+    """Step 1: the NVML check of ``scripts/check_gpu.py``, or why it is skipped; an error is recorded, not raised."""
     if args.device != "cuda":
-        results["nvml_check"] = {"skipped": "no CUDA device (--device cpu)"}
-    elif args.skip_check:
-        results["nvml_check"] = {"skipped": "--skip-check"}
-    else:
-        print("[gpu bench] step 1: NVML check", flush=True)
-        import check_gpu
+        return {"skipped": "no CUDA device (--device cpu)"}
+    if args.skip_check:
+        return {"skipped": "--skip-check"}
+    print("[gpu bench] step 1: NVML check", flush=True)
+    import check_gpu
 
-        try:
-            results["nvml_check"] = check_gpu.run_checks(0)
-        except Exception as err:  # the fits still tell a lot: record and go on
-            results["nvml_check"] = {"error": f"{type(err).__name__}: {err}", "passed": False}
-        torch.cuda.empty_cache()
-    write_outputs(results, args.out)
+    try:
+        check = check_gpu.run_checks(0)
+    except Exception as err:  # the fits still tell a lot: record and go on
+        check = {"error": f"{type(err).__name__}: {err}", "passed": False}
+    torch.cuda.empty_cache()
+    return check
 
-    from workloads import _jpeg_folder
 
-    _jpeg_folder()  # generate the images once, before any fit is timed
-    warm_up(args.device, args.quick, mode["batch_size"], 160)
-    fits = plan(args)
+def _run_fits(results: dict[str, Any], fits: list[tuple[str, int, bool]], args: argparse.Namespace,
+              started: float) -> None:
+    """Step 2: every planned fit, skipped once the time budget is spent; the outputs rewritten after each."""
     with tempfile.TemporaryDirectory(prefix="dltune-gpu-bench-") as log_root:
         for i, (label, workers, tune) in enumerate(fits, start=1):
             spent = time.perf_counter() - started
@@ -381,25 +428,27 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                         "prefetch_factor": PREFETCH, "error": "skipped: time budget spent"})
                 continue
             print(f"[gpu bench] step 2: fit {i}/{len(fits)} {label} ({spent:.0f} s so far)", flush=True)
-            try:
-                run = run_fit(label.split(" (")[0].replace(" ", "-"), workers, tune, args, log_root)
-                run["label"] = label
-            except Exception as err:
-                run = {"label": label, "start_workers": workers, "tuned": tune, "prefetch_factor": PREFETCH,
-                       "error": f"{type(err).__name__}: {err}"}
-            results["runs"].append(run)
-            if "error" not in run:
-                pairs = " ".join(f"{_f(w['nvml_util'])}/{_f(w['estimate'])}" for w in run["windows"])
-                print(f"    {run['fit_s']:.1f} s, {run['samples_per_s']:.0f} samples/s, NVML/estimate per window:"
-                      f" {pairs}", flush=True)
-            else:
-                print(f"    ! {run['error']}", flush=True)
+            results["runs"].append(_fit_or_error(label, workers, tune, args, log_root))
             results["summary"] = summarize(results["runs"])
             results["meta"]["wall_s"] = time.perf_counter() - started
             write_outputs(results, args.out)
-    print(f"[gpu bench] step 3: summary in {os.path.join(args.out, 'gpu.md')}", flush=True)
-    print(render_markdown(results).split("## Summary", 1)[-1].strip(), flush=True)
-    return results
+
+
+def _fit_or_error(label: str, workers: int, tune: bool, args: argparse.Namespace, log_root: str) -> dict[str, Any]:
+    """One fit under its label, or the error that stopped it; a line saying which."""
+    try:
+        run = run_fit(label.split(" (")[0].replace(" ", "-"), workers, tune, args, log_root)
+        run["label"] = label
+    except Exception as err:
+        run = {"label": label, "start_workers": workers, "tuned": tune, "prefetch_factor": PREFETCH,
+               "error": f"{type(err).__name__}: {err}"}
+    if "error" not in run:
+        pairs = " ".join(f"{_f(w['nvml_util'])}/{_f(w['estimate'])}" for w in run["windows"])
+        print(f"    {run['fit_s']:.1f} s, {run['samples_per_s']:.0f} samples/s, NVML/estimate per window:"
+              f" {pairs}", flush=True)
+    else:
+        print(f"    ! {run['error']}", flush=True)
+    return run
 
 
 if __name__ == "__main__":

@@ -110,12 +110,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             json.dump(result, f)
         return result
     if args.render:
-        with open(args.render) as f:
-            results = json.load(f)
-        results["targets"] = evaluate_targets(results["workloads"])
-        write_outputs(results, args.out)
-        print(f"rendered {args.out}/tuning.{{json,md,png}} from {args.render}")
-        return results
+        return _render(args.render, args.out)
 
     from workloads import WORKLOADS
 
@@ -125,23 +120,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     rng = random.Random(args.seed)
     machine = machine_info()
     rule_workers = rule_of_thumb_workers()
-    command = "python benchmarks/tuning.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
     print(f"lightning-dltune tuning benchmark ({'quick' if args.quick else 'full'}): {args.workloads}, "
           f"{args.epochs} epochs (a one-epoch workload: 1); child logs in {log_dir}", flush=True)
-    meta = {
-        "mode": "smoke" if args.smoke else "quick" if args.quick else ("full" if not any((args.train_batches, args.grid_workers, args.grid_prefetch))
-                                             else "custom"),
-        "command": command.strip(),
-        "machine": machine,
-        "epochs": args.epochs,
-        "grid_epochs": args.grid_epochs,
-        "repeats": args.repeats,
-        "rule_of_thumb_workers": rule_workers,
-        "bad_start": {"num_workers": BAD_START[0], "prefetch_factor": BAD_START[1]},
-        "band": list(BAND),
-        "seed": args.seed,
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    meta = _run_meta(args, argv, machine, rule_workers)
     results: dict[str, Any] = {"meta": meta, "workloads": {}, "targets": []}
     for index, name in enumerate(args.workloads):
         workload = WORKLOADS[name]
@@ -155,10 +136,45 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     _finish_meta(results, started)
     write_outputs(results, args.out)
     print(f"done in {meta['wall_s'] / 60:.1f} min: {args.out}/tuning.{{json,md,png}}", flush=True)
-    for t in results["targets"]:
+    _print_targets(results["targets"])
+    return results
+
+
+def _render(path: str, out: str) -> dict[str, Any]:
+    """``--render``: the target checks evaluated again and the outputs rewritten from an existing JSON."""
+    with open(path) as f:
+        results = json.load(f)
+    results["targets"] = evaluate_targets(results["workloads"])
+    write_outputs(results, out)
+    print(f"rendered {out}/tuning.{{json,md,png}} from {path}")
+    return results
+
+
+def _run_meta(args: argparse.Namespace, argv: Optional[list[str]], machine: dict[str, Any],
+              rule_workers: int) -> dict[str, Any]:
+    """The run's meta as it starts: mode, command line, machine, protocol, seed, start time."""
+    command = "python benchmarks/tuning.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    return {
+        "mode": "smoke" if args.smoke else "quick" if args.quick else ("full" if not any((args.train_batches, args.grid_workers, args.grid_prefetch))
+                                             else "custom"),
+        "command": command.strip(),
+        "machine": machine,
+        "epochs": args.epochs,
+        "grid_epochs": args.grid_epochs,
+        "repeats": args.repeats,
+        "rule_of_thumb_workers": rule_workers,
+        "bad_start": {"num_workers": BAD_START[0], "prefetch_factor": BAD_START[1]},
+        "band": list(BAND),
+        "seed": args.seed,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _print_targets(targets: list[dict[str, Any]]) -> None:
+    """The target checks, one line each, at the end of a run."""
+    for t in targets:
         value = num_text(t["value"])
         print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']:<44} {t['workload']:<13} {t['start']:<13} {value}")
-    return results
 
 
 def _finish_meta(results: dict[str, Any], started: float) -> None:

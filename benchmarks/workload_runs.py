@@ -29,16 +29,8 @@ def run_workload(workload, index: int, args: argparse.Namespace, rule_workers: i
     workers = args.grid_workers or list(workload.grid_workers)
     prefetch = args.grid_prefetch or list(workload.grid_prefetch)
     grid_configs = sorted({grid_config(w, p) for w in workers for p in prefetch})
-    run_counter = iter(range(10_000))
+    launcher = _Launcher(workload, args, log_dir)
     started = time.perf_counter()
-
-    def spec(label: str, w: int, p: int, tune: bool, n_epochs: int) -> dict[str, Any]:
-        return {"workload": workload.name, "label": label, "num_workers": w, "prefetch_factor": p, "tune": tune,
-                "epochs": n_epochs, "train_batches": workload.train_batches, "seed": args.seed,
-                # a phased workload's grid runs the judged phase alone: its oracle is that phase's
-                "slowed_throughout": label == "grid" and workload.phased,
-                "run_id": next(run_counter)}
-
     starts = {
         "default": (0, 2, False),
         "rule": (rule_workers, 2, False),
@@ -46,53 +38,14 @@ def run_workload(workload, index: int, args: argparse.Namespace, rule_workers: i
         "tuned_bad": (BAD_START[0], BAD_START[1], True),
     }
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in STRATEGIES}
-    grid_runs: dict[tuple[int, int], dict[str, Any]] = {}
-
-    def go(label: str, s: dict[str, Any]) -> dict[str, Any]:
-        tag = "tuned" if s["tune"] else "static"
-        print(f"  [{workload.name}] {label:<14} {tag} start {s['num_workers']}x{s['prefetch_factor']}, "
-              f"{s['epochs']} epochs ...", end="", flush=True)
-        r = launch(s, log_dir, args.run_timeout)
-        fit = f"{r['fit_s']:.1f}s" if "fit_s" in r else "failed"
-        peak = r["memory"].get("peak_mb")
-        print(f" {fit}, peak {peak:.0f} MB" if peak else f" {fit}", flush=True)
-        return r
-
-    # phase 1: the static strategies that are also grid points, and the rest of the grid, shuffled
-    phase1: list[tuple[str, Any]] = [("default", None), ("rule", None)]
-    # the full default and rule runs stand in for their grid points, except where the grid runs another cost
-    reused = set() if workload.phased else {grid_config(*starts["default"][:2]), grid_config(*starts["rule"][:2])}
-    phase1 += [("grid", c) for c in grid_configs if c not in reused]
-    rng.shuffle(phase1)
-    for kind, config in phase1:
-        if kind == "grid":
-            r = go("grid", spec("grid", config[0], config[1], False, grid_epochs))
-            grid_runs[config] = r
-        else:
-            w, p, tune = starts[kind]
-            r = go(kind, spec(kind, w, p, tune, epochs))
-            runs[kind].append(r)
-            if grid_config(w, p) in grid_configs and not workload.phased:
-                grid_runs[grid_config(w, p)] = r
+    grid_runs = _run_static_and_grid(launcher, starts, grid_configs, runs, epochs, grid_epochs, rng)
 
     budget_mb = workload.memory_budget_mb
     bbytes = batch_bytes_of(list(grid_runs.values()), workload)
     grid = grid_rows(grid_runs, epochs, bbytes, budget_mb)
-    oracle = pick_oracle(grid)
-    if oracle is None:
-        oracle = {"num_workers": 0, "prefetch_factor": 2}
-        print(f"  [{workload.name}] no grid point finished: the oracle falls back to 0 workers", flush=True)
-    print(f"  [{workload.name}] oracle: {oracle['num_workers']} workers x prefetch {oracle['prefetch_factor']}",
-          flush=True)
+    oracle = _oracle_config(workload.name, grid)
     starts["oracle"] = (oracle["num_workers"], oracle["prefetch_factor"], False)
-
-    # phase 2: the oracle and both tuned starts, rotated per workload and repeat (plus static repeats)
-    for repeat in range(args.repeats):
-        order = ["oracle", "tuned_default", "tuned_bad"] + (["default", "rule"] if repeat else [])
-        shift = (index + repeat) % len(order)
-        for kind in order[shift:] + order[:shift]:
-            w, p, tune = starts[kind]
-            runs[kind].append(go(kind, spec(kind, w, p, tune, epochs)))
+    _run_oracle_and_tuned(launcher, starts, runs, epochs, index, args.repeats)
 
     return {
         "name": workload.name,
@@ -109,11 +62,89 @@ def run_workload(workload, index: int, args: argparse.Namespace, rule_workers: i
         "phase_start": workload.phase_start(),
         "hog_epoch": workload.hog_epoch,
         "grid": grid,
-        "oracle_config": {"num_workers": oracle["num_workers"], "prefetch_factor": oracle["prefetch_factor"]},
+        "oracle_config": oracle,
         "oracle_rule": oracle_rule(epochs, workload.phased, budget_mb),
         "raw_runs": runs,
         "wall_s": time.perf_counter() - started,
     }
+
+
+class _Launcher:
+    """Launches the fits of one workload, each with the next run id, and prints a line for each."""
+
+    def __init__(self, workload, args: argparse.Namespace, log_dir: str) -> None:
+        self.workload, self.args, self.log_dir = workload, args, log_dir
+        self.run_counter = iter(range(10_000))
+
+    def spec(self, label: str, w: int, p: int, tune: bool, n_epochs: int) -> dict[str, Any]:
+        """What the child runs (``tuning.py --run-one``)."""
+        workload = self.workload
+        return {"workload": workload.name, "label": label, "num_workers": w, "prefetch_factor": p, "tune": tune,
+                "epochs": n_epochs, "train_batches": workload.train_batches, "seed": self.args.seed,
+                # a phased workload's grid runs the judged phase alone: its oracle is that phase's
+                "slowed_throughout": label == "grid" and workload.phased,
+                "run_id": next(self.run_counter)}
+
+    def run(self, label: str, w: int, p: int, tune: bool, n_epochs: int) -> dict[str, Any]:
+        """One fit in a child process, its fit time and peak memory printed."""
+        s = self.spec(label, w, p, tune, n_epochs)
+        tag = "tuned" if s["tune"] else "static"
+        print(f"  [{self.workload.name}] {label:<14} {tag} start {s['num_workers']}x{s['prefetch_factor']}, "
+              f"{s['epochs']} epochs ...", end="", flush=True)
+        r = launch(s, self.log_dir, self.args.run_timeout)
+        fit = f"{r['fit_s']:.1f}s" if "fit_s" in r else "failed"
+        peak = r["memory"].get("peak_mb")
+        print(f" {fit}, peak {peak:.0f} MB" if peak else f" {fit}", flush=True)
+        return r
+
+
+def _run_static_and_grid(launcher: _Launcher, starts: dict[str, tuple[int, int, bool]],
+                         grid_configs: list[tuple[int, int]], runs: dict[str, list[dict[str, Any]]], epochs: int,
+                         grid_epochs: int, rng: random.Random) -> dict[tuple[int, int], dict[str, Any]]:
+    """Phase 1: the static strategies that are also grid points, and the rest of the grid, shuffled.
+
+    Appends the ``default`` and ``rule`` runs to ``runs``; returns the grid's runs by config.
+    """
+    phased = launcher.workload.phased
+    grid_runs: dict[tuple[int, int], dict[str, Any]] = {}
+    phase1: list[tuple[str, Any]] = [("default", None), ("rule", None)]
+    # the full default and rule runs stand in for their grid points, except where the grid runs another cost
+    reused = set() if phased else {grid_config(*starts["default"][:2]), grid_config(*starts["rule"][:2])}
+    phase1 += [("grid", c) for c in grid_configs if c not in reused]
+    rng.shuffle(phase1)
+    for kind, config in phase1:
+        if kind == "grid":
+            r = launcher.run("grid", config[0], config[1], False, grid_epochs)
+            grid_runs[config] = r
+        else:
+            w, p, tune = starts[kind]
+            r = launcher.run(kind, w, p, tune, epochs)
+            runs[kind].append(r)
+            if grid_config(w, p) in grid_configs and not phased:
+                grid_runs[grid_config(w, p)] = r
+    return grid_runs
+
+
+def _oracle_config(name: str, grid: list[dict[str, Any]]) -> dict[str, int]:
+    """The oracle's config picked from the grid (0 workers where no grid point finished), printed."""
+    oracle = pick_oracle(grid)
+    if oracle is None:
+        oracle = {"num_workers": 0, "prefetch_factor": 2}
+        print(f"  [{name}] no grid point finished: the oracle falls back to 0 workers", flush=True)
+    print(f"  [{name}] oracle: {oracle['num_workers']} workers x prefetch {oracle['prefetch_factor']}",
+          flush=True)
+    return {"num_workers": oracle["num_workers"], "prefetch_factor": oracle["prefetch_factor"]}
+
+
+def _run_oracle_and_tuned(launcher: _Launcher, starts: dict[str, tuple[int, int, bool]],
+                          runs: dict[str, list[dict[str, Any]]], epochs: int, index: int, repeats: int) -> None:
+    """Phase 2: the oracle and both tuned starts, rotated per workload and repeat (plus static repeats)."""
+    for repeat in range(repeats):
+        order = ["oracle", "tuned_default", "tuned_bad"] + (["default", "rule"] if repeat else [])
+        shift = (index + repeat) % len(order)
+        for kind in order[shift:] + order[:shift]:
+            w, p, tune = starts[kind]
+            runs[kind].append(launcher.run(kind, w, p, tune, epochs))
 
 
 def judged_part(workload, epochs: int) -> str:
