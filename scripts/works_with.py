@@ -1,7 +1,7 @@
-"""Renders README's "Works with" table from tests/test_trainer_features.py and a run of it.
+"""Renders the "Works with" table of docs/works-with.md from tests/test_trainer_features.py and a run of it.
 
     .venv/bin/python scripts/works_with.py            # runs the matrix, prints the Markdown table
-    .venv/bin/python scripts/works_with.py --write    # also replaces the table between README's markers
+    .venv/bin/python scripts/works_with.py --write    # also replaces the table between the markers of docs/works-with.md
 
 Each row of the table is one test of the matrix (parametrised cases are one row): "works" when every
 case passed, "known break" when a case is an expected failure (named in the test's reason).
@@ -43,7 +43,7 @@ def run_matrix() -> dict[str, list[str]]:
 
 
 def table(outcomes: dict[str, list[str]]) -> str:
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "helpers")]
     from test_trainer_features import ROWS
 
     lines = ["| Trainer feature | what the test checks | result |", "| --- | --- | --- |"]
@@ -64,15 +64,15 @@ def table(outcomes: dict[str, list[str]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="replace the table between README's markers")
+    parser.add_argument("--write", action="store_true", help="replace the table between the markers of docs/works-with.md")
     args = parser.parse_args()
     rendered = table(run_matrix())
     print(rendered)
     if args.write:
-        readme = ROOT / "README.md"
+        readme = ROOT / "docs" / "works-with.md"
         text = readme.read_text()
         if BEGIN not in text:
-            sys.exit(f"README.md has no {BEGIN} ... {END} markers")
+            sys.exit(f"docs/works-with.md has no {BEGIN} ... {END} markers")
         head, rest = text.split(BEGIN, 1)
         _, tail = rest.split(END, 1)
         readme.write_text(f"{head}{BEGIN}\n{rendered}\n{END}{tail}")

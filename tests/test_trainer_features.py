@@ -7,7 +7,7 @@ inside the feature under test. Each row checks what a user would: every training
 once per epoch (exactly the expected count), every validation sample exactly once per validation
 run, the ``dltune/`` metrics logged, no stray files in the working directory.
 
-``ROWS`` names each row's feature and what it checks; ``scripts/works_with.py`` renders README's
+``ROWS`` names each row's feature and what it checks; ``scripts/works_with.py`` renders docs/works-with.md's
 "Works with" table from it and a run of this file.
 """
 
@@ -592,7 +592,7 @@ def test_users_own_cli_accepts_the_recommendation(tmp_path, workdir):
     import yaml
 
     script = tmp_path / "train.py"
-    script.write_text(USER_CLI.format(tests=str(Path(__file__).parent)))
+    script.write_text(USER_CLI.format(tests=str(Path(__file__).parent / "helpers")))
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump({
         "trainer": {"max_epochs": 1, "accelerator": "cpu", "default_root_dir": str(tmp_path / "run"),
