@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+sys.path.insert(0, HELPERS)  # the tests' own modules (workloads, pipeline_sim, ...) import as top-level modules
 
 
 def _pin_hypothesis_constants() -> None:
@@ -28,11 +28,19 @@ def _pin_hypothesis_constants() -> None:
 _pin_hypothesis_constants()
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects anything: every collected test is checked
 def pytest_collection_modifyitems(config, items):
-    """A test that builds a Trainer (it asks for ``trainer_kwargs``) runs a real fit: the slow tier."""
-    for item in items:
-        if "trainer_kwargs" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.slow)
+    """A test that builds a Trainer (it asks for ``trainer_kwargs``) runs a real fit: it must be marked ``slow``.
+
+    The mark is explicit (``pytestmark = pytest.mark.slow`` in a module of slow tests, ``@pytest.mark.slow`` on a
+    test); this guard stops the run, naming the tests, where one was forgotten.
+    """
+    unmarked = [item.nodeid for item in items
+                if "trainer_kwargs" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests ask for `trainer_kwargs` (a real fit) but are not marked slow; add `@pytest.mark.slow`, "
+            "or `pytestmark = pytest.mark.slow` in a module of slow tests:\n  " + "\n  ".join(unmarked))
 
 
 @pytest.fixture

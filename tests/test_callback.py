@@ -30,6 +30,7 @@ def _small_fit(trainer_kwargs, tuner, dm=None, model=None, **overrides):
     return trainer
 
 
+@pytest.mark.slow
 def test_tensorboard_gets_the_layout_every_scalar_and_the_decisions(trainer_kwargs, tmp_path):
     tuner = DataLoaderTuner(log_every_n_steps=4, verbose=False)
     _small_fit(trainer_kwargs, tuner, logger=TensorBoardLogger(str(tmp_path / "tb")))
@@ -47,6 +48,7 @@ def test_tensorboard_gets_the_layout_every_scalar_and_the_decisions(trainer_kwar
     assert logged["dltune/band_low"][0][1] == pytest.approx(0.85)
 
 
+@pytest.mark.slow
 def test_other_loggers_get_the_same_metric_names(trainer_kwargs, tmp_path):
     tuner = DataLoaderTuner(verbose=False)
     trainer = _small_fit(trainer_kwargs, tuner, logger=CSVLogger(str(tmp_path)))
@@ -57,6 +59,7 @@ def test_other_loggers_get_the_same_metric_names(trainer_kwargs, tmp_path):
     assert set(EPOCH_TAGS) <= set(header)
 
 
+@pytest.mark.slow
 def test_fit_without_logger_prints_one_line_per_epoch_and_a_table(trainer_kwargs, caplog):
     tuner = DataLoaderTuner()
     with caplog.at_level(logging.INFO):
@@ -69,6 +72,7 @@ def test_fit_without_logger_prints_one_line_per_epoch_and_a_table(trainer_kwargs
     assert len(tuner.history) == 2
 
 
+@pytest.mark.slow
 def test_verbose_2_adds_the_reason_and_0_prints_nothing(trainer_kwargs, caplog):
     with caplog.at_level(logging.INFO):
         _small_fit(trainer_kwargs, DataLoaderTuner(verbose=2))
@@ -80,6 +84,7 @@ def test_verbose_2_adds_the_reason_and_0_prints_nothing(trainer_kwargs, caplog):
     assert not [r for r in caplog.records if "[dltune]" in r.getMessage() or "loader tuning" in r.getMessage()]
 
 
+@pytest.mark.slow
 def test_history_holds_what_users_read(trainer_kwargs):
     tuner = DataLoaderTuner(verbose=False)
     _small_fit(trainer_kwargs, tuner)
@@ -90,6 +95,7 @@ def test_history_holds_what_users_read(trainer_kwargs):
     assert record.verdict and record.reason
 
 
+@pytest.mark.slow
 def test_zero_train_batches_does_not_break(trainer_kwargs):
     tuner = DataLoaderTuner(verbose=False)
     _small_fit(trainer_kwargs, tuner, limit_train_batches=0)
@@ -101,6 +107,7 @@ class _IterableModule(SleepStepModule):
         return DataLoader(CountingIterable(32), batch_size=4, num_workers=2)
 
 
+@pytest.mark.slow
 def test_iterable_dataset_without_len(trainer_kwargs):
     tuner = DataLoaderTuner(verbose=False)
     trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], limit_val_batches=0, **trainer_kwargs)
@@ -114,6 +121,7 @@ class _TupleModule(SleepStepModule):
         return DataLoader(data, batch_size=5)
 
 
+@pytest.mark.slow
 def test_tuple_batches(trainer_kwargs):
     tuner = DataLoaderTuner(verbose=False)
     trainer = pl.Trainer(max_epochs=1, callbacks=[tuner], limit_val_batches=0, **trainer_kwargs)
@@ -121,6 +129,7 @@ def test_tuple_batches(trainer_kwargs):
     assert tuner.history[0].stats.samples == 40 and tuner.history[0].stats.batch_bytes == 5 * (8 * 4 + 8)
 
 
+@pytest.mark.slow
 def test_monitor_only_datamodule_without_mixin_says_so_once(trainer_kwargs, caplog):
     tuner = DataLoaderTuner()
     with caplog.at_level(logging.INFO):
@@ -131,6 +140,7 @@ def test_monitor_only_datamodule_without_mixin_says_so_once(trainer_kwargs, capl
     assert {r.num_workers for r in tuner.history} == {0}
 
 
+@pytest.mark.slow
 def test_util_source_nvml_without_a_gpu_warns_and_estimates(trainer_kwargs):
     tuner = DataLoaderTuner(util_source="nvml", verbose=False)
     with pytest.warns(UserWarning, match="NVML cannot serve"):
@@ -193,6 +203,7 @@ def test_the_worker_cap_after_a_failed_switch_is_kept_in_checkpoints_and_older_o
     assert older.state_dict()["worker_cap"] is None
 
 
+@pytest.mark.slow
 def test_a_fit_resumed_mid_epoch_records_the_rest_of_that_epoch(trainer_kwargs, tmp_path):
     from test_loader import CheckpointAndStop
 

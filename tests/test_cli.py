@@ -140,7 +140,7 @@ USER_CONFIG = {
 
 def test_users_own_lightning_cli_takes_the_callback_and_a_tunable_datamodule(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(USER_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests")))
+    script.write_text(USER_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests" / "helpers")))
     (tmp_path / "conf").mkdir()
     config = tmp_path / "conf" / "user.yaml"
     config.write_text(yaml.safe_dump(USER_CONFIG))

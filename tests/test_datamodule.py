@@ -38,6 +38,7 @@ class AlternateConfigs(Callback):
         trainer.datamodule.set_loader_config(self.configs[epoch % len(self.configs)])
 
 
+@pytest.mark.slow
 def test_train_drops_the_last_partial_batch_and_val_keeps_it(trainer_kwargs):
     dm = SleepyDataModule(train_length=10, val_length=10, batch_size=4)
     trainer = pl.Trainer(max_epochs=1, **trainer_kwargs)
@@ -53,6 +54,7 @@ def test_loader_config_defaults_are_derived():
     assert SleepyDataModule(pin_memory=True, persistent_workers=False).loader_config.persistent_workers is False
 
 
+@pytest.mark.slow
 def test_extra_loader_arguments_reach_both_loaders(trainer_kwargs):
     seen = []
 
@@ -67,6 +69,7 @@ def test_extra_loader_arguments_reach_both_loaders(trainer_kwargs):
     assert seen.count(4) == 4  # 2 train + 2 val batches went through the user's collate_fn
 
 
+@pytest.mark.slow
 def test_thirty_rebuilds_leave_no_extra_processes_or_open_files(trainer_kwargs):
     configs = [LoaderConfig(num_workers=w, prefetch_factor=p) for w, p in ((1, 2), (2, 1), (0, 2), (2, 3))]
     forcer = AlternateConfigs(configs)
@@ -85,6 +88,7 @@ def test_thirty_rebuilds_leave_no_extra_processes_or_open_files(trainer_kwargs):
 
 
 @pytest.mark.parametrize("reload", [0, 1])
+@pytest.mark.slow
 def test_nothing_is_lost_or_repeated_across_rebuilds(trainer_kwargs, reload):
     configs = [LoaderConfig(num_workers=w, prefetch_factor=p) for w, p in ((2, 1), (0, 2), (1, 3))]
     model = SleepStepModule(record_indices=True)
@@ -100,6 +104,7 @@ def test_nothing_is_lost_or_repeated_across_rebuilds(trainer_kwargs, reload):
     assert {len(set(s)) for s in model.train_indices} == {28}
 
 
+@pytest.mark.slow
 def test_tune_false_never_rebuilds(trainer_kwargs):
     tuner = DataLoaderTuner(tune=False, verbose=False, max_workers=4)
     dm = SleepyDataModule(train_length=40, val_length=8, batch_size=4, batch_cost_s=0.01)
@@ -110,6 +115,7 @@ def test_tune_false_never_rebuilds(trainer_kwargs):
     assert dm.loader_config.num_workers == 0
 
 
+@pytest.mark.slow
 def test_a_rebuild_whose_workers_die_rolls_back_and_the_fit_goes_on(trainer_kwargs):
     # workers are killed (as by the OOM killer) whenever more than one runs
     tuner = DataLoaderTuner(verbose=False, max_workers=6)
@@ -138,6 +144,7 @@ class FailingData(SleepyDataModule):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow
 def test_a_dataset_error_reaches_the_user_unchanged(trainer_kwargs, workers):
     tuner = DataLoaderTuner(verbose=False)
     dm = FailingData(batch_size=4, num_workers=workers)
@@ -149,6 +156,7 @@ def test_a_dataset_error_reaches_the_user_unchanged(trainer_kwargs, workers):
 
 
 @pytest.mark.parametrize("start_workers", [0, 1])
+@pytest.mark.slow
 def test_the_first_epoch_switches_loaders_mid_epoch_without_losing_or_repeating_a_batch(trainer_kwargs, start_workers):
     # I/O-bound: 30 ms of storage latency per batch against a 5 ms step
     model = SleepStepModule(step_s=0.005, record_indices=True)
@@ -202,6 +210,7 @@ class StreamData(SleepyDataModule):
         self.train_dataset = self.stream(self.train_length, self.batch_cost_s, self.batch_size)
 
 
+@pytest.mark.slow
 def test_an_iterable_dataset_that_does_not_shard_keeps_its_workers_and_each_sample_once(trainer_kwargs, caplog):
     # data-bound (20 ms a batch against a 2 ms step): the tuner would add workers, which would replay the stream
     model = SleepStepModule(step_s=0.002, record_indices=True)
@@ -216,6 +225,7 @@ def test_an_iterable_dataset_that_does_not_shard_keeps_its_workers_and_each_samp
     assert len(said) == 1 and "holding num_workers=0" in said[0]
 
 
+@pytest.mark.slow
 def test_an_iterable_dataset_that_shards_by_worker_is_tuned_and_drops_less_than_a_batch_per_worker(trainer_kwargs):
     model = SleepStepModule(step_s=0.002, record_indices=True)
     dm = StreamData(stream=ShardedIterable, train_length=120, val_length=8, batch_size=4, batch_cost_s=0.02,
@@ -246,6 +256,7 @@ class FailsInTheTrainingProcess(SleepyDataset):
 @pytest.mark.parametrize(
     "error", [FileNotFoundError("/data/shard-7.tar"), MemoryError("decoder"), RuntimeError("my shm cache is full")]
 )
+@pytest.mark.slow
 def test_a_dataset_error_after_a_rebuild_to_no_workers_reaches_the_user_unchanged(trainer_kwargs, error):
     class Data(SleepyDataModule):
         def setup(self, stage):
@@ -300,6 +311,7 @@ def _fit_counting_rollbacks(trainer, model, dm) -> int:
     return sum(1 for w in caught if "went back" in str(w.message))
 
 
+@pytest.mark.slow
 def test_a_rebuilt_loader_whose_workers_die_after_its_end_batch_rolls_back_with_every_sample_once(trainer_kwargs):
     # epoch 1 runs 2 workers, killed from batch 5 on: later than the first batch, within a few windows
     forcer = AlternateConfigs([LoaderConfig(num_workers=0), LoaderConfig(num_workers=2)])
@@ -312,6 +324,7 @@ def test_a_rebuilt_loader_whose_workers_die_after_its_end_batch_rolls_back_with_
     assert dm.loader_config.num_workers == 0
 
 
+@pytest.mark.slow
 def test_a_failed_mid_epoch_switch_keeps_the_whole_epoch_and_its_validation(trainer_kwargs):
     # I/O-bound, so the early decision adds workers mid-epoch; more than one worker is killed
     model = SleepStepModule(step_s=0.005, record_indices=True)
@@ -327,6 +340,7 @@ def test_a_failed_mid_epoch_switch_keeps_the_whole_epoch_and_its_validation(trai
     assert all(r.config.num_workers <= 1 for r in tuner.history[1:])
 
 
+@pytest.mark.slow
 def test_a_start_config_whose_workers_die_falls_back_for_train_val_and_the_sanity_check(trainer_kwargs):
     model = SleepStepModule(record_indices=True)
     dm = KilledData(kill_val=True, train_length=32, val_length=8, batch_size=4, num_workers=2)
@@ -340,6 +354,7 @@ def test_a_start_config_whose_workers_die_falls_back_for_train_val_and_the_sanit
     assert tuner.state_dict()["worker_cap"] == 1  # halfway back up to the count that failed, kept in checkpoints
 
 
+@pytest.mark.slow
 def test_a_mid_epoch_switch_moves_validation_too_in_the_same_epoch(trainer_kwargs):
     class SwitchAtBatch3(Callback):
         val_workers = []
@@ -362,6 +377,7 @@ def test_a_mid_epoch_switch_moves_validation_too_in_the_same_epoch(trainer_kwarg
 
 
 
+@pytest.mark.slow
 def test_checking_the_start_config_never_opens_the_dataset_in_the_training_process(trainer_kwargs):
     class LazyHandle(SleepyDataset):
         opened_in = None  # like an HDF5/LMDB handle, opened on first read; unsafe to inherit across fork

@@ -6,13 +6,14 @@ import pytest
 
 from lightning_dltune.control.handoff import SpawnHandoff
 
+pytestmark = pytest.mark.slow  # a spawned process
+
 
 def _send_from_child(handoff: SpawnHandoff) -> None:
     assert handoff.in_spawned_process()
     handoff.send({"state": {"rebuilds": 3}})
 
 
-@pytest.mark.slow
 def test_a_spawned_process_hands_its_state_back_once():
     handoff = SpawnHandoff()
     assert not handoff.in_spawned_process() and handoff.receive() is None

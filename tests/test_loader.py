@@ -12,6 +12,7 @@ from test_datamodule import AlternateConfigs, ShardedIterable, StreamData
 from workloads import SleepStepModule, SleepyDataModule
 
 
+@pytest.mark.slow
 def test_a_well_fed_iterable_loader_reports_its_queue_depth_and_few_stalls(trainer_kwargs):
     # cheap samples, 2 workers x prefetch 2, a 20 ms step: batches are nearly always ready
     dm = StreamData(stream=ShardedIterable, train_length=160, val_length=8, batch_size=4, num_workers=2,
@@ -23,6 +24,7 @@ def test_a_well_fed_iterable_loader_reports_its_queue_depth_and_few_stalls(train
     assert stats.stalls <= stats.fetches // 4, (stats.stalls, stats.fetches)
 
 
+@pytest.mark.slow
 def test_a_loader_timeout_applies_to_workers_and_a_start_without_workers_still_runs(trainer_kwargs):
     class RecordTimeout(AlternateConfigs):
         timeouts = []
@@ -53,6 +55,7 @@ class CheckpointAndStop(Callback):
 
 
 @pytest.mark.parametrize("resume_workers", [0, 2])
+@pytest.mark.slow
 def test_a_fit_resumed_mid_epoch_with_another_worker_count_sees_every_remaining_sample_once(
     trainer_kwargs, tmp_path, resume_workers
 ):

@@ -75,6 +75,7 @@ def _assert_close_to_truth(stats, truth):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow
 def test_fetch_wait_step_time_and_starvation_match_truth(trainer_kwargs, workers):
     stats, truth = _fit(trainer_kwargs, workers, validation=False)
     _assert_close_to_truth(stats, truth)
@@ -82,6 +83,7 @@ def test_fetch_wait_step_time_and_starvation_match_truth(trainer_kwargs, workers
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow
 def test_validation_mid_epoch_and_at_epoch_end_is_not_fetch_wait(trainer_kwargs, workers):
     stats, truth = _fit(trainer_kwargs, workers, validation=True)
     # 2 s of validation inside a ~4 s epoch: counted as fetch wait, it would wreck these bounds
@@ -89,11 +91,13 @@ def test_validation_mid_epoch_and_at_epoch_end_is_not_fetch_wait(trainer_kwargs,
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow
 def test_plain_dataloaders_are_measured_as_accurately(trainer_kwargs, workers):
     stats, truth = _fit(trainer_kwargs, workers, validation=True, plain=True)
     _assert_close_to_truth(stats, truth)
 
 
+@pytest.mark.slow
 def test_worker_startup_is_reported_apart_from_fetch_wait(trainer_kwargs):
     stats, _ = _fit(trainer_kwargs, 2, validation=False, batches=20)
     # the first batch needs a whole batch cost (160 ms) after the workers start: that is start-up
@@ -101,6 +105,7 @@ def test_worker_startup_is_reported_apart_from_fetch_wait(trainer_kwargs):
     assert stats.fetch_wait_p95_s < 0.16
 
 
+@pytest.mark.slow
 def test_stalls_are_exact_for_tunable_loaders(trainer_kwargs):
     stats, _ = _fit(trainer_kwargs, 0, validation=False, batches=20)
     # with no workers every batch is made on demand: every fetch is a stall, nothing is ever ready
@@ -108,6 +113,7 @@ def test_stalls_are_exact_for_tunable_loaders(trainer_kwargs):
     assert stats.queue_depth == 0
 
 
+@pytest.mark.slow
 def test_worker_side_batch_cost_is_measured_in_the_workers(trainer_kwargs):
     stats, _ = _fit(trainer_kwargs, 2, validation=False, batches=20)
     assert stats.worker_batch_s == pytest.approx(0.16, rel=0.10)

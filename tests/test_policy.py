@@ -632,6 +632,7 @@ def test_budgets_are_never_exceeded(data, pipeline, start, cores):
         assert within_budget(r.next_config, budget, pipeline.batch_bytes), (r.next_config, r.reason)
 
 
+@pytest.mark.slow  # ~9 s on 2 cores
 @target(
     "an I/O-bound pipeline on 2 cores can give back a worker by rounding and spend two windows undoing it "
     "(313 ms I/O + 31 ms CPU a batch, 31 ms step, budget 8 workers, start 0x1: 0 -> 8 (budget), 'oversubscribed' "
@@ -648,6 +649,7 @@ def test_band_or_a_correct_verdict_within_three_decisions(data, kind, start, cor
     ]
 
 
+@pytest.mark.slow  # 50 epochs an example: ~30 s on 2 cores
 @PROPERTY
 @given(data=st.data(), start=starts, cores=cores_, seed=st.integers(0, 1000))
 def test_no_ping_pong_over_fifty_noisy_epochs(data, start, cores, seed):

@@ -272,6 +272,7 @@ def test_no_ping_pong_over_two_hundred_noisy_windows(data, start, cores, seed):
     assert len(away) <= 2, show([records[k] for k in away])
 
 
+@pytest.mark.slow  # ~9 s on 2 cores
 @target(
     "bursts of a heavy tail still earn and lose workers and prefetch (e.g. I/O-bound 71 ms + 2 ms CPU a batch, "
     "47 ms step, 13 cores, start 8x3, 1 batch in 50 at random 20x slower: 6 changes between windows 16 and 35 "

@@ -27,7 +27,7 @@ from lightning_dltune.loaders.torch_internals import (
     take_sampler_rest,
 )
 
-HERE = os.path.dirname(__file__)
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
 
 
 class Indices(Dataset):
@@ -192,7 +192,7 @@ needs_small_shm = pytest.mark.skipif(
 def run_with_small_shm(script: str, shm: str = "8m", timeout: float = 300) -> dict:
     """Runs ``script`` in a private mount namespace whose /dev/shm is a ``shm`` tmpfs; returns its JSON."""
     command = f"mount -t tmpfs -o size={shm} tmpfs /dev/shm && exec {sys.executable} -c \"$SCRIPT\""
-    env = {**os.environ, "SCRIPT": textwrap.dedent(script), "PYTHONPATH": HERE}
+    env = {**os.environ, "SCRIPT": textwrap.dedent(script), "PYTHONPATH": HELPERS}
     with tempfile.TemporaryDirectory() as cwd:  # whatever the fit writes stays out of the checkout
         done = subprocess.run(["unshare", "-m", "sh", "-c", command], capture_output=True, text=True, env=env,
                               timeout=timeout, cwd=cwd)

@@ -1,6 +1,6 @@
 """A 2-process CPU DDP fit (gloo) stopped by a mid-epoch checkpoint, or resumed from it; run by tests/test_ddp.py.
 
-Usage: python tests/ddp_resume_fit.py OUT_DIR first|resume NUM_WORKERS
+Usage: python tests/helpers/ddp_resume_fit.py OUT_DIR first|resume NUM_WORKERS
 Each rank writes OUT_DIR/<phase>-rank<N>.json with the training indices it saw, per epoch.
 """
 
@@ -8,8 +8,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/helpers: workloads
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DLTUNE_SCRIPT = Path(sys.executable).with_name("dltune")  # the console script the package installs
 
 

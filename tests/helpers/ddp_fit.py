@@ -1,6 +1,6 @@
 """A 2-process CPU DDP fit (gloo) where rank 1's data is slow; run as a script by tests/test_ddp.py.
 
-Usage: python tests/ddp_fit.py OUT_DIR
+Usage: python tests/helpers/ddp_fit.py OUT_DIR
 Each rank writes OUT_DIR/rank<N>.json with its history and final loader config.
 """
 
@@ -8,8 +8,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/helpers: workloads
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402

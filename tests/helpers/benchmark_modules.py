@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
 
 
 def load_benchmark_module(name: str, *needs: str) -> ModuleType:
     """``benchmarks/<name>.py``, importing the benchmark modules it ``needs`` alongside; ``sys.modules`` and
-    ``sys.path`` are left as they were, so a later ``import workloads`` still finds ``tests/workloads.py``."""
+    ``sys.path`` are left as they were, so a later ``import workloads`` still finds ``tests/helpers/workloads.py``."""
     names = (name, *needs)
     saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
     sys.path.insert(0, BENCHMARKS)
