@@ -27,18 +27,16 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from lightning_dltune.control.resources import SHM_PATH
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.model import prefetch_bytes
+from lightning_dltune.core.history import leanest_near_best
+from lightning_dltune.core.model import PipelineModel
+from lightning_dltune.core.policy import memory_over_budget
 from lightning_dltune.core.records import Budget
+from lightning_dltune.report.words import over_memory_text
 
-SHM_PATH = "/dev/shm"
 _MEMORY_EVERY_S = 0.25  # process-tree memory sampling period inside a point
 _MIN_BATCHES = 3  # timed batches a point measures even past its time bound
-
-
-def mib(n: float) -> str:
-    """Bytes as a short MiB (or KiB) string."""
-    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 # -- pure logic -----------------------------------------------------------------------------------
@@ -57,12 +55,11 @@ def over_budget(config: LoaderConfig, batch_bytes: float, budget: Budget) -> Opt
     """Why ``config`` is outside ``budget`` (workers, memory, /dev/shm), or ``None`` when it fits."""
     if config.num_workers > budget.max_workers:
         return f"{config.num_workers} workers, over the budget of {budget.max_workers}"
-    memory, shm = prefetch_bytes(config, batch_bytes)
-    if budget.memory_bytes is not None and memory > budget.memory_bytes:
-        return f"{mib(memory)} of batches, over the {mib(budget.memory_bytes)} memory budget"
-    if budget.shm_bytes is not None and shm > budget.shm_bytes:
-        return f"{mib(shm)} of batches, over the {mib(budget.shm_bytes)} /dev/shm budget"
-    return None
+    over = memory_over_budget(config, batch_bytes, budget)
+    if over is None:
+        return None
+    which, used, allowed = over
+    return over_memory_text(used, allowed, which)
 
 
 def build_grid(
@@ -112,9 +109,10 @@ def predicted_starvation(loader_s_per_batch: float, step_s: float, num_workers: 
 
 
 def predicted_fit_rate(loader_s_per_batch: float, step_s: float, num_workers: int, batch_size: int) -> float:
-    """Training samples/s a fit would reach: one batch per step plus its fetch wait."""
-    total = predicted_wait_s(loader_s_per_batch, step_s, num_workers) + step_s
-    return batch_size / total if total > 0 else 0.0
+    """Training samples/s a fit would reach: the model's throughput of the loader timed alone, the step bounding it."""
+    if loader_s_per_batch <= 0 and step_s <= 0:
+        return 0.0  # nothing timed
+    return batch_size * PipelineModel.timed_alone(num_workers, loader_s_per_batch, step_s).throughput(num_workers)
 
 
 def leanest_within(points: Sequence["SweepPoint"], min_gain: float) -> Optional["SweepPoint"]:
@@ -125,17 +123,17 @@ def leanest_within(points: Sequence["SweepPoint"], min_gain: float) -> Optional[
     step of 0 this is the loader's own samples/s). Leanest: fewest worker processes, then fewest
     prefetched batches, then no pinned copies.
     """
-    measured = [p for p in points if p.fit_samples_per_s > 0]
-    if not measured:
-        return None
-    best = max(p.fit_samples_per_s for p in measured)
-    near = [p for p in measured if p.fit_samples_per_s >= (1.0 - min_gain) * best]
+    rated = [(p, p.fit_samples_per_s) for p in points if p.fit_samples_per_s > 0]
+    return leanest_near_best(rated, min_gain, _leanest_point_first)
 
-    def cost(p: SweepPoint) -> tuple:
-        c = p.config
-        return (c.num_workers, c.num_workers * c.prefetch_factor, c.pin_memory, -p.samples_per_s)
 
-    return min(near, key=cost)
+def _leanest_point_first(point: SweepPoint, fit_samples_per_s: float) -> tuple:
+    """The sweep's order: fewest workers, fewest prefetched batches, no pinned copies, then the faster loader.
+
+    Not the fit's order (:func:`lightning_dltune.core.history.best_config`): the sweep also tries ``pin_memory``.
+    """
+    c = point.config
+    return (c.num_workers, c.num_workers * c.prefetch_factor, c.pin_memory, -point.samples_per_s)
 
 
 def steady_rate(stamps: Sequence[float], skip: int) -> float:
@@ -208,14 +206,10 @@ class SweepResult:
 
 
 def batch_nbytes(batch: Any) -> int:
-    """Bytes of the tensors in a batch (nested tuples, lists and dicts)."""
-    if hasattr(batch, "element_size") and hasattr(batch, "nelement"):
-        return int(batch.element_size() * batch.nelement())
-    if isinstance(batch, dict):
-        return sum(batch_nbytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(batch_nbytes(v) for v in batch)
-    return 0
+    """Bytes of the tensors in a batch (:func:`lightning_dltune.loaders.loader.tensor_bytes`)."""
+    from lightning_dltune.loaders.loader import tensor_bytes
+
+    return tensor_bytes(batch)
 
 
 def _shm_used() -> float:
@@ -264,6 +258,16 @@ def _close(iterator: Any) -> None:
         shutdown_iterator(iterator)
 
 
+@dataclass
+class _Timing:
+    """What a point timed so far, and the iterator it reads (the one to shut down)."""
+
+    iterator: Any = None
+    stamps: list[float] = field(default_factory=list)  # arrival time of every batch
+    peak_memory: float = 0.0
+    peak_shm: float = 0.0
+
+
 def measure_point(
     make_loader: Callable[[LoaderConfig], Any],
     config: LoaderConfig,
@@ -285,33 +289,13 @@ def measure_point(
     me = psutil.Process()
     shm_before = _shm_used()
     loader = make_loader(config)
-    iterator = None
+    timing = _Timing()
     try:
         cpu0, t0 = time.process_time(), time.perf_counter()
-        iterator = iter(loader)
-        next(iterator)
-        stamps = [time.perf_counter()]
-        deadline, hard_stop = stamps[0] + seconds, stamps[0] + 3 * seconds
-        peak_memory = peak_shm = 0.0
-        next_sample = 0.0
-        children: list = []
-        while True:
-            now = time.perf_counter()
-            if now >= next_sample:
-                children = me.children(recursive=True)
-                shm = max(0.0, _shm_used() - shm_before)
-                peak_shm = max(peak_shm, shm)
-                peak_memory = max(peak_memory, _tree_memory(me, children) + shm)
-                next_sample = now + _MEMORY_EVERY_S
-            if (now >= deadline and len(stamps) > _MIN_BATCHES) or now >= hard_stop:
-                break
-            stop()
-            try:
-                next(iterator)
-            except StopIteration:  # the epoch ended: the next one goes on (persistent workers stay)
-                iterator = iter(loader)
-                continue
-            stamps.append(time.perf_counter())
+        timing.iterator = iter(loader)
+        next(timing.iterator)
+        timing.stamps.append(time.perf_counter())
+        _time_batches(loader, timing, me, shm_before, seconds, stop)
         wall = time.perf_counter() - t0
         if config.num_workers:
             cpu = _cpu_seconds(me.children(recursive=True))
@@ -321,8 +305,51 @@ def measure_point(
         stop()  # a terminal's Ctrl-C also reaches the workers: their exit is then the interrupt's, not an error
         raise
     finally:
-        _close(iterator)
+        _close(timing.iterator)
         shutdown_workers(loader)
+    return _point(config, timing, timing.stamps[0] - t0, cpu / wall if wall > 0 else 0.0, step_s, batch_size)
+
+
+def _time_batches(
+    loader: Any, timing: _Timing, me: Any, shm_before: float, seconds: float, stop: Callable[[], None]
+) -> None:
+    """Take batches for ``seconds`` after the first (at least ``_MIN_BATCHES``, at most three times as long).
+
+    An epoch that ends goes on with the next one (persistent workers stay); the process tree's memory is
+    sampled every ``_MEMORY_EVERY_S``.
+    """
+    stamps = timing.stamps
+    deadline, hard_stop = stamps[0] + seconds, stamps[0] + 3 * seconds
+    next_sample = 0.0
+    while True:
+        now = time.perf_counter()
+        if now >= next_sample:
+            _sample_memory(timing, me, shm_before)
+            next_sample = now + _MEMORY_EVERY_S
+        if (now >= deadline and len(stamps) > _MIN_BATCHES) or now >= hard_stop:
+            break
+        stop()
+        try:
+            next(timing.iterator)
+        except StopIteration:  # the epoch ended: the next one goes on (persistent workers stay)
+            timing.iterator = iter(loader)
+            continue
+        stamps.append(time.perf_counter())
+
+
+def _sample_memory(timing: _Timing, me: Any, shm_before: float) -> None:
+    """Raise the peaks to now: ``/dev/shm``'s growth, and the process tree's memory plus that growth."""
+    children = me.children(recursive=True)
+    shm = max(0.0, _shm_used() - shm_before)
+    timing.peak_shm = max(timing.peak_shm, shm)
+    timing.peak_memory = max(timing.peak_memory, _tree_memory(me, children) + shm)
+
+
+def _point(
+    config: LoaderConfig, timing: _Timing, startup_s: float, cpu_cores: float, step_s: float, batch_size: int
+) -> SweepPoint:
+    """The point of what ``timing`` holds: the steady rate, and what a fit with ``step_s`` would see."""
+    stamps = timing.stamps
     rate = steady_rate(stamps, skip=config.num_workers)
     per_batch = 1.0 / rate if rate > 0 else math.inf  # too slow to time: no rate, fully starved
     return SweepPoint(
@@ -330,10 +357,10 @@ def measure_point(
         samples_per_s=rate * batch_size,
         batches=len(stamps),
         loader_ms_per_batch=1e3 * per_batch,
-        startup_s=stamps[0] - t0,
-        worker_cpu_cores=cpu / wall if wall > 0 else 0.0,
-        peak_memory_bytes=peak_memory,
-        shm_bytes=peak_shm,
+        startup_s=startup_s,
+        worker_cpu_cores=cpu_cores,
+        peak_memory_bytes=timing.peak_memory,
+        shm_bytes=timing.peak_shm,
         predicted_starvation=predicted_starvation(per_batch, step_s, config.num_workers),
         fit_samples_per_s=predicted_fit_rate(per_batch, step_s, config.num_workers, batch_size),
     )

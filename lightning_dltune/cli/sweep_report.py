@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 import json
 
-from lightning_dltune.cli.sweep import SweepResult, mib
+from lightning_dltune.cli.sweep import SweepResult
+from lightning_dltune.report.words import byte_text
 
 JSON_FILE = "dltune_sweep.json"
 HEATMAP_FILE = "dltune_sweep.png"
@@ -37,7 +38,7 @@ def sweep_table(result: SweepResult) -> str:
             str(c.num_workers), str(c.prefetch_factor) if c.num_workers else "-",
             *(["on" if c.pin_memory else "off"] if show_pin else []),
             f"{p.samples_per_s:,.0f}", f"{p.loader_ms_per_batch:.1f}", f"{p.startup_s:.2f} s",
-            f"{p.worker_cpu_cores:.2f}", mib(p.peak_memory_bytes), mib(p.shm_bytes),
+            f"{p.worker_cpu_cores:.2f}", byte_text(p.peak_memory_bytes), byte_text(p.shm_bytes),
             f"{p.predicted_starvation:.0%}", f"{p.fit_samples_per_s:,.0f}", "<-" if p is rec else "",
         )
     buffer = io.StringIO()

@@ -11,12 +11,14 @@ import math
 import statistics
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.model import PipelineModel
 from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
 from lightning_dltune.core.stats import WindowStats, pool_windows
+
+T = TypeVar("T")
 
 POOLED_WINDOWS = 8  # a config is judged on its last this-many windows in a row: noise averages out,
 # a real change in the pipeline still shows within a few windows
@@ -97,7 +99,6 @@ class FitHistory:
     best: Optional[LoaderConfig]
     shift: Optional[Shift] = None  # conditions shifted: the newest two windows agree on it
     suspect: Optional[Shift] = None  # the newest window alone left the config's earlier ones: noise or new conditions
-    total_rebuilds: int = 0  # every change of the fit
 
 
 @dataclass
@@ -114,7 +115,7 @@ class _Strike:
 
 
 @dataclass
-class _Run:
+class _Streak:
     """The windows of one config in a row, and the change that started it (if the policy made one)."""
 
     start: int
@@ -122,7 +123,10 @@ class _Run:
     before: Optional[LoaderConfig] = None
     before_stats: Optional[WindowStats] = None
     kind: ChangeKind = ChangeKind.OTHER
-    undo: bool = False  # the run is an undo of the run before it: never judged, or undos would ping-pong
+    undo: bool = False  # the streak undoes the streak before it: never judged, or undos would ping-pong
+
+
+_Window = tuple[LoaderConfig, WindowStats, Optional[LoaderConfig]]  # a window's config, stats, and the config after it
 
 
 def recall(
@@ -134,105 +138,160 @@ def recall(
 ) -> FitHistory:
     """Replay ``history`` plus the window just measured (``current``, ``stats``)."""
     windows = [(r.config, r.stats, r.next_config) for r in history] + [(current, stats, None)]
-    n = len(windows)
-    pooled: list[WindowStats] = []
-    rejected: dict[LoaderConfig, _Strike] = {}
-    strikes: dict[LoaderConfig, int] = {}  # how often each config was undone (never forgotten: backoff)
-    starved: list[tuple[int, int]] = []
-    worker_ceiling: Optional[_Strike] = None
-    prefetch_ceiling: Optional[_Strike] = None
-    last_change: Optional[LastChange] = None
-    shift: Optional[Shift] = None
-    conditions_from = 0  # first window of today's conditions
-    runs: list[_Run] = []
-    for i, (config, window, next_config) in enumerate(windows):
-        if runs and runs[-1].config == config:
-            run = runs[-1]
-            # new conditions when the last two windows both left the config's earlier ones the same way (one
-            # window is noise: a heavy-tailed cost alone moves it); the new run starts with the first of them
-            prior = [w for _, w, _ in windows[max(run.start, i - 1 - POOLED_WINDOWS) : i - 1]]
-            moved = _confirmed_shift(prior, windows[i - 1][1], window, config.num_workers)
-            if moved is not None:  # what was learned under the old conditions is stale
-                conditions_from = i - 1
-                shift = moved if i == n - 1 else None
-                rejected.clear()
-                starved.clear()
-                worker_ceiling = prefetch_ceiling = None
-                run = _Run(i - 1, config)
-                runs.append(run)
-                pooled[i - 1] = window_before = windows[i - 1][1]
-                if is_starved(window_before, settings) and resources(config) not in starved:
-                    starved.append(resources(config))
-        else:
-            run = _Run(i, config)
-            if runs and windows[i - 1][2] == config:  # a change the policy made
-                previous = runs[-1]
-                run.before, run.before_stats = previous.config, pooled[i - 1]
-                run.kind = change_kind(previous.config, config)
-                run.undo = previous.before == config and not previous.undo
-            runs.append(run)
-        start = max(run.start, i + 1 - POOLED_WINDOWS)
-        pooled.append(pool_windows([w for _, w, _ in windows[start : i + 1]]))
-        if is_starved(pooled[i], settings) and resources(config) not in starved:
-            starved.append(resources(config))
+    replay = _Replay(windows, budget, settings)
+    for i in range(len(windows)):
+        replay.step(i)
+    return replay.fit_history(history)
 
-        ended = i < n - 1 and windows[i + 1][0] != config
-        if run.before is None or run.before_stats is None or run.undo or run.start < conditions_from:
-            continue
-        length = i - run.start + 1
-        gain = throughput_gain(run.before_stats, pooled[i])
+
+class _Replay:
+    """What a replay of a fit's windows learned so far; :meth:`step` replays one window."""
+
+    def __init__(self, windows: Sequence[_Window], budget: Budget, settings: PolicySettings) -> None:
+        self.windows = windows
+        self.budget = budget
+        self.settings = settings
+        self.pooled: list[WindowStats] = []  # each window pooled with the earlier ones of its streak
+        self.rejected: dict[LoaderConfig, _Strike] = {}
+        self.strikes: dict[LoaderConfig, int] = {}  # how often each config was undone (never forgotten: backoff)
+        self.starved: list[tuple[int, int]] = []
+        self.worker_ceiling: Optional[_Strike] = None
+        self.prefetch_ceiling: Optional[_Strike] = None
+        self.last_change: Optional[LastChange] = None
+        self.shift: Optional[Shift] = None
+        self.conditions_from = 0  # first window of today's conditions
+        self.streaks: list[_Streak] = []
+
+    def step(self, i: int) -> None:
+        """Window ``i``: its streak, its pooled windows, and the verdict on the change that started the streak."""
+        config = self.windows[i][0]
+        streak = self._streak_of(i)
+        start = max(streak.start, i + 1 - POOLED_WINDOWS)
+        self.pooled.append(pool_windows([w for _, w, _ in self.windows[start : i + 1]]))
+        self._note_starved(self.pooled[i], config)
+        if streak.before is None or streak.before_stats is None or streak.undo or streak.start < self.conditions_from:
+            return
+        self._judge(i, streak, streak.before, streak.before_stats)
+
+    def _streak_of(self, i: int) -> _Streak:
+        """The streak window ``i`` belongs to: the one before it goes on, or a new one starts (a change)."""
+        config = self.windows[i][0]
+        if self.streaks and self.streaks[-1].config == config:
+            return self._continued(i, self.streaks[-1])
+        streak = _Streak(i, config)
+        if self.streaks and self.windows[i - 1][2] == config:  # a change the policy made
+            previous = self.streaks[-1]
+            streak.before, streak.before_stats = previous.config, self.pooled[i - 1]
+            streak.kind = change_kind(previous.config, config)
+            streak.undo = previous.before == config and not previous.undo
+        self.streaks.append(streak)
+        return streak
+
+    def _continued(self, i: int, streak: _Streak) -> _Streak:
+        """``streak`` with window ``i`` added, or a new streak from window ``i - 1`` where conditions shifted.
+
+        New conditions when the last two windows both left the config's earlier ones the same way (one
+        window is noise: a heavy-tailed cost alone moves it); the new streak starts with the first of them.
+        """
+        config, window = self.windows[i][0], self.windows[i][1]
+        prior = [w for _, w, _ in self.windows[max(streak.start, i - 1 - POOLED_WINDOWS) : i - 1]]
+        moved = _confirmed_shift(prior, self.windows[i - 1][1], window, config.num_workers)
+        if moved is None:
+            return streak
+        # what was learned under the old conditions is stale
+        self.conditions_from = i - 1
+        self.shift = moved if i == len(self.windows) - 1 else None
+        self.rejected.clear()
+        self.starved.clear()
+        self.worker_ceiling = self.prefetch_ceiling = None
+        streak = _Streak(i - 1, config)
+        self.streaks.append(streak)
+        self.pooled[i - 1] = window_before = self.windows[i - 1][1]
+        self._note_starved(window_before, config)
+        return streak
+
+    def _note_starved(self, window: WindowStats, config: LoaderConfig) -> None:
+        if is_starved(window, self.settings) and resources(config) not in self.starved:
+            self.starved.append(resources(config))
+
+    def _judge(self, i: int, streak: _Streak, before: LoaderConfig, before_stats: WindowStats) -> None:
+        """The change from ``before`` that started ``streak``, on its windows up to ``i``: undone, capped or kept."""
+        settings = self.settings
+        config, _, next_config = self.windows[i]
+        last = len(self.windows) - 1
+        ended = i < last and self.windows[i + 1][0] != config
+        length = i - streak.start + 1
+        gain = throughput_gain(before_stats, self.pooled[i])
         slower = gain < -settings.min_gain
         # more workers that did not pay although the model said they clearly would: no more of them
         # (a small expected gain that does not show proves nothing: windows differ by a few percent)
         stopped_helping = (
-            run.kind is ChangeKind.MORE_WORKERS
+            streak.kind is ChangeKind.MORE_WORKERS
             and not slower
             and gain < settings.min_gain
-            and _expected_gain(run.before, config, run.before_stats, budget, settings) >= 2 * settings.min_gain
+            and _expected_gain(before, config, before_stats, self.budget, settings) >= 2 * settings.min_gain
         )
-        step_ratio = _ratio(pooled[i].step_mean_s, run.before_stats.step_mean_s)
+        step_ratio = _ratio(self.pooled[i].step_mean_s, before_stats.step_mean_s)
         busy = step_ratio > 1.0 + CONTENTION_STEP
-        if i == n - 1 and length <= CONFIRM_WINDOWS:
-            last_change = LastChange(run.before, run.before_stats, run.kind, gain, stopped_helping, length, step_ratio)
-        if ended and next_config == run.before:  # A -> B -> A: B was undone
-            strikes[config] = strikes.get(config, 0) + 1
-            rejected[config] = _Strike(config, i, strikes[config], busy)
+        if i == last and length <= CONFIRM_WINDOWS:
+            self.last_change = LastChange(before, before_stats, streak.kind, gain, stopped_helping, length, step_ratio)
+        if ended and next_config == before:  # A -> B -> A: B was undone
+            self.strikes[config] = self.strikes.get(config, 0) + 1
+            self.rejected[config] = _Strike(config, i, self.strikes[config], busy)
         if length == CONFIRM_WINDOWS or (ended and length < CONFIRM_WINDOWS):  # the change's verdict, once
-            if run.kind is ChangeKind.MORE_WORKERS and (slower or stopped_helping):
-                # slower after a step up of several workers: try a smaller step up before calling it the CPUs'
-                # limit; never declare it at a count that was not measured against one worker more
-                step_up = config.num_workers - run.before.num_workers
-                limit = config.num_workers if stopped_helping else (
-                    run.before.num_workers if step_up <= 1 else config.num_workers - 1)
-                if worker_ceiling is None or not worker_ceiling.stands(i) or limit < worker_ceiling.value:
-                    worker_ceiling = _Strike(limit, i, strikes.get(config, 0) + 1, busy)
-            if run.kind is ChangeKind.MORE_PREFETCH and gain < settings.min_gain:
-                kept = run.before if slower else config
-                if prefetch_ceiling is None or not prefetch_ceiling.stands(i) or kept.prefetch_factor < prefetch_ceiling.value:
-                    prefetch_ceiling = _Strike(kept.prefetch_factor, i, strikes.get(config, 0) + 1, busy)
-    now = n - 1
-    run = runs[-1]
-    suspect = None
-    if shift is None and now - run.start >= 2:  # the newest window against the (at least two) before it
-        prior = [w for _, w, _ in windows[max(run.start, now - POOLED_WINDOWS) : now]]
-        suspect = detect_shift(prior, windows[now][1], current.num_workers)
-    count = min(now - run.start + 1, POOLED_WINDOWS)
-    changes = [r.changed for r in history]
-    return FitHistory(
-        seen=pooled[-1],
-        windows=count,
-        util_error=_standard_error([w.utilization for _, w, _ in windows[now + 1 - count :]]),
-        rebuilds=sum(changes[conditions_from:]),
-        rejected=tuple(c for c, strike in rejected.items() if strike.stands(now)),
-        starved=tuple(starved),
-        worker_ceiling=worker_ceiling.value if worker_ceiling is not None and worker_ceiling.stands(now) else None,
-        prefetch_ceiling=prefetch_ceiling.value if prefetch_ceiling is not None and prefetch_ceiling.stands(now) else None,
-        last_change=last_change,
-        best=_best([(c, w) for c, w, _ in windows[conditions_from:]], settings.min_gain),
-        shift=shift,
-        suspect=suspect,
-        total_rebuilds=sum(changes),
-    )
+            self._cap(i, streak.kind, before, config, gain, stopped_helping, busy)
+
+    def _cap(
+        self, i: int, kind: ChangeKind, before: LoaderConfig, config: LoaderConfig, gain: float,
+        stopped_helping: bool, busy: bool,
+    ) -> None:
+        """The ceiling a step up from ``before`` to ``config`` that did not pay sets on workers or prefetch."""
+        slower = gain < -self.settings.min_gain
+        strikes = self.strikes.get(config, 0) + 1
+        if kind is ChangeKind.MORE_WORKERS and (slower or stopped_helping):
+            # slower after a step up of several workers: try a smaller step up before calling it the CPUs'
+            # limit; never declare it at a count that was not measured against one worker more
+            step_up = config.num_workers - before.num_workers
+            limit = config.num_workers if stopped_helping else (
+                before.num_workers if step_up <= 1 else config.num_workers - 1)
+            ceiling = self.worker_ceiling
+            if ceiling is None or not ceiling.stands(i) or limit < ceiling.value:
+                self.worker_ceiling = _Strike(limit, i, strikes, busy)
+        if kind is ChangeKind.MORE_PREFETCH and gain < self.settings.min_gain:
+            kept = before if slower else config
+            ceiling = self.prefetch_ceiling
+            if ceiling is None or not ceiling.stands(i) or kept.prefetch_factor < ceiling.value:
+                self.prefetch_ceiling = _Strike(kept.prefetch_factor, i, strikes, busy)
+
+    def fit_history(self, history: Sequence[WindowRecord]) -> FitHistory:
+        """What the rules need of the replayed fit, as of its newest window (``history`` is the fit's records)."""
+        windows, now = self.windows, len(self.windows) - 1
+        streak = self.streaks[-1]
+        suspect = None
+        if self.shift is None and now - streak.start >= 2:  # the newest window against the (at least two) before it
+            prior = [w for _, w, _ in windows[max(streak.start, now - POOLED_WINDOWS) : now]]
+            suspect = detect_shift(prior, windows[now][1], windows[now][0].num_workers)
+        count = min(now - streak.start + 1, POOLED_WINDOWS)
+        changes = [r.changed for r in history]
+        return FitHistory(
+            seen=self.pooled[-1],
+            windows=count,
+            util_error=_standard_error([w.utilization for _, w, _ in windows[now + 1 - count :]]),
+            rebuilds=sum(changes[self.conditions_from :]),
+            rejected=tuple(c for c, strike in self.rejected.items() if strike.stands(now)),
+            starved=tuple(self.starved),
+            worker_ceiling=_standing(self.worker_ceiling, now),
+            prefetch_ceiling=_standing(self.prefetch_ceiling, now),
+            last_change=self.last_change,
+            best=_best([(c, w) for c, w, _ in windows[self.conditions_from :]], self.settings.min_gain),
+            shift=self.shift,
+            suspect=suspect,
+        )
+
+
+def _standing(ceiling: Optional[_Strike], now: int) -> Optional[int]:
+    """A ceiling's value while it stands."""
+    return ceiling.value if ceiling is not None and ceiling.stands(now) else None
 
 
 def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -> Optional[Shift]:
@@ -274,12 +333,12 @@ def same_conditions(history: Sequence[WindowRecord], config: LoaderConfig) -> li
     """
     if not history or history[-1].next_config != config:
         return []
-    run: list[WindowStats] = []
+    streak: list[WindowStats] = []
     for record in reversed(history):
-        if record.config != config or len(run) == POOLED_WINDOWS:
+        if record.config != config or len(streak) == POOLED_WINDOWS:
             break
-        run.append(record.stats)
-    return run[::-1]
+        streak.append(record.stats)
+    return streak[::-1]
 
 
 def _confirmed_shift(
@@ -321,11 +380,11 @@ def best_config(history: Sequence[WindowRecord], min_gain: float = 0.05) -> Opti
 
 def median_rate(history: Sequence[WindowRecord], config: LoaderConfig) -> Optional[WindowRecord]:
     """The record of ``config`` whose throughput is the median of its windows (the lower one for an even count)."""
-    runs = [r for r in history if r.config == config and r.stats.batches > 0]
-    if not runs:
+    records = [r for r in history if r.config == config and r.stats.batches > 0]
+    if not records:
         return None
-    middle = statistics.median_low([r.samples_per_s for r in runs])
-    return next(r for r in runs if r.samples_per_s == middle)
+    middle = statistics.median_low([r.samples_per_s for r in records])
+    return next(r for r in records if r.samples_per_s == middle)
 
 
 def _best(windows: Sequence[tuple[LoaderConfig, WindowStats]], min_gain: float) -> Optional[LoaderConfig]:
@@ -333,14 +392,29 @@ def _best(windows: Sequence[tuple[LoaderConfig, WindowStats]], min_gain: float) 
     for config, window in windows:
         if window.batches > 0:
             rates.setdefault(config, []).append(window.samples_per_s)
-    if not rates:
+    medians = [(config, statistics.median(values)) for config, values in rates.items()]
+    return leanest_near_best(medians, min_gain, _leaner_then_faster)
+
+
+def _leaner_then_faster(config: LoaderConfig, rate: float) -> tuple[int, int, float]:
+    """The fit's order of configs: fewest workers, then the shallowest prefetch, then the faster."""
+    return (*resources(config), -rate)
+
+
+def leanest_near_best(
+    rated: Sequence[tuple[T, float]], min_gain: float, order: Callable[[T, float], tuple]
+) -> Optional[T]:
+    """The leanest of ``rated`` (things with their rates) whose rate is within ``min_gain`` of the best rate.
+
+    ``order`` ranks a thing with its rate, leanest first; of those it ranks alike, the first in ``rated``
+    wins. ``None`` when nothing is rated. The fit ranks configs by :func:`_leaner_then_faster`; the sweep
+    (:func:`lightning_dltune.cli.sweep.leanest_within`) also counts pinned copies.
+    """
+    if not rated:
         return None
-    medians = {config: statistics.median(values) for config, values in rates.items()}
-    top = max(medians.values())
-    near = [config for config, rate in medians.items() if rate >= (1.0 - min_gain) * top]
-    # leanest first; among equally lean configs the faster, then the one seen first
-    order = {config: i for i, config in enumerate(medians)}
-    return min(near, key=lambda c: (*resources(c), -medians[c], order[c]))
+    top = max(rate for _, rate in rated)
+    near = [(thing, rate) for thing, rate in rated if rate >= (1.0 - min_gain) * top]
+    return min(near, key=lambda pair: order(*pair))[0]
 
 
 def resources(config: LoaderConfig) -> tuple[int, int]:
@@ -389,6 +463,3 @@ def _standard_error(values: Sequence[float]) -> float:
     mean = sum(values) / n
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
-
-def _min(a: Optional[int], b: int) -> int:
-    return b if a is None else min(a, b)

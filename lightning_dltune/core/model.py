@@ -29,7 +29,8 @@ from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.stats import WindowStats
 
 UNLIMITED = 1 << 30  # "no limit" for worker counts
-BURST_STALL_FRACTION = 0.5  # PolicySettings' default: at or past it, fetches stall steadily, not in bursts
+BURST_STALL_FRACTION = 0.5  # the default of PolicySettings.burst_stall_fraction: at or past it, fetches stall
+# steadily, not in bursts
 
 
 def cpu_inflation(workers: int, cpus: float, main: float = 1.0) -> float:
@@ -95,6 +96,16 @@ class PipelineModel:
         io = max(0.0, batch - cpu * inflation)
         return cls(step, batch, cpu, io, cpus, fraction is not None, main, main_known)
 
+    @classmethod
+    def timed_alone(cls, workers: int, loader_s_per_batch: float, step_s: float) -> PipelineModel:
+        """The model of a loader timed on its own (``dltune sweep``): a batch every ``loader_s_per_batch`` seconds.
+
+        The timing holds the contention already, so it all counts as waiting: each of ``workers`` workers
+        needs ``workers x loader_s_per_batch`` per batch (at 0 workers the training process needs the time itself).
+        """
+        batch = workers * loader_s_per_batch if workers else loader_s_per_batch
+        return cls(step_s, batch, 0.0, batch, 1.0, False)
+
     @property
     def cpu_share(self) -> float:
         """CPU work per batch over the batch's uncontended wall time: ~1 CPU-bound, ~0 I/O-bound."""
@@ -103,8 +114,8 @@ class PipelineModel:
 
     @property
     def demand(self) -> float:
-        """Batches per second the step consumes."""
-        return 1.0 / self.step_mean_s
+        """Batches per second the step consumes (no limit for a step of no time)."""
+        return 1.0 / self.step_mean_s if self.step_mean_s > 0 else math.inf
 
     def cpu_limit(self) -> int:
         """Most workers before their CPU work (plus the training process) saturates the CPUs."""

@@ -42,7 +42,7 @@ outside" means beyond the band by ``hysteresis`` plus the standard error of thos
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from lightning_dltune.core.config import LoaderConfig
@@ -129,14 +129,28 @@ def clamp_to_budget(
     return config.replace(num_workers=workers, prefetch_factor=prefetch), limit
 
 
+def memory_over_budget(
+    config: LoaderConfig, batch_bytes: float, budget: Budget
+) -> Optional[tuple[str, float, float]]:
+    """The memory budget the prefetched batches of ``config`` exceed: ``(which, bytes, budget bytes)``.
+
+    ``which`` is ``"memory"`` or ``"/dev/shm"`` (memory is checked first); ``None`` when both fit or are unknown.
+    """
+    memory, shm = prefetch_bytes(config, batch_bytes)
+    if budget.memory_bytes is not None and memory > budget.memory_bytes:
+        return "memory", memory, budget.memory_bytes
+    if budget.shm_bytes is not None and shm > budget.shm_bytes:
+        return "/dev/shm", shm, budget.shm_bytes
+    return None
+
+
 def _over_memory(config: LoaderConfig, batch_bytes: Optional[int], budget: Budget) -> dict:
     """The numbers of a config over a memory budget: its bytes, the budget and which one."""
-    memory, shm = prefetch_bytes(config, batch_bytes or 0)
-    if budget.memory_bytes is not None and memory > budget.memory_bytes:
-        return {"bytes": memory, "budget_bytes": budget.memory_bytes, "budget": "memory"}
-    if budget.shm_bytes is not None and shm > budget.shm_bytes:
-        return {"bytes": shm, "budget_bytes": budget.shm_bytes, "budget": "/dev/shm"}
-    return {"bytes": memory, "budget_bytes": None, "budget": "memory"}
+    over = memory_over_budget(config, batch_bytes or 0, budget)
+    if over is None:
+        return {"bytes": prefetch_bytes(config, batch_bytes or 0)[0], "budget_bytes": None, "budget": "memory"}
+    which, used, allowed = over
+    return {"bytes": used, "budget_bytes": allowed, "budget": which}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,102 +165,159 @@ def _apply_rules(
     settings: PolicySettings,
     latest: Optional[WindowStats] = None,
 ) -> _Rule:
-    low, high = settings.band
-    util, starvation = stats.utilization, stats.starvation_ratio
+    """The first rule that applies, in the order of the module docstring."""
     if stats.batches <= 0 or stats.step_mean_s <= 0:
         return current, Verdict.IN_BAND, Reason(ReasonKind.NOTHING_MEASURED)
 
     model = PipelineModel.infer(current.num_workers, stats, budget.cpus, settings.burst_stall_fraction)
     # CPU-heavy production is CPU-bound; unknown production counts as I/O until the CPUs are shown saturated
     data_verdict = Verdict.DATA_BOUND_CPU if model.cpu_known and model.cpu_share >= 0.5 else Verdict.DATA_BOUND_IO
+    case = _Case(current, stats, budget, fit, settings, model, data_verdict)
+    return (
+        _over_budget(case)
+        or _suspected_shift(case)
+        or _rebuild_cap(case)
+        or _judge_last_change(case)
+        or _against_the_band(case, latest or stats)
+    )
 
-    # 1. never keep a config over budget, not even after the rebuild cap: an OOM ends the fit
+
+@dataclass(frozen=True)
+class _Case:
+    """What the rules judge: the config, its (pooled) window, the budget, the fit so far, the knobs, the model."""
+
+    current: LoaderConfig
+    stats: WindowStats
+    budget: Budget
+    fit: FitHistory
+    settings: PolicySettings
+    model: PipelineModel
+    data_verdict: Verdict  # a data-bound window's verdict: CPU saturated where production is CPU-heavy, else I/O
+
+    @property
+    def held(self) -> Verdict:
+        """The verdict of a hold that no rule explains better: the window's own diagnosis."""
+        return _window_verdict(self.stats, self.settings, self.data_verdict)
+
+
+def _over_budget(case: _Case) -> Optional[_Rule]:
+    """1. Never keep a config over budget, not even after the rebuild cap: an OOM ends the fit."""
+    current, stats, budget, settings = case.current, case.stats, case.budget, case.settings
     clamped, limit = clamp_to_budget(current, stats.batch_bytes, budget, settings)
-    if clamped != current:
-        if limit == "memory":
-            return clamped, Verdict.MEMORY_CAPPED, Reason(ReasonKind.OVER_MEMORY, {
-                "config": pair(current), "to": pair(clamped), **_over_memory(current, stats.batch_bytes, budget),
-            })
-        if limit == "workers":
-            reason = Reason(ReasonKind.OVER_WORKERS, {
-                "workers": current.num_workers, "max_workers": budget.max_workers, "to": pair(clamped),
-            })
-        else:
-            reason = Reason(ReasonKind.OVER_PREFETCH, {
-                "prefetch": current.prefetch_factor, "max_prefetch": settings.max_prefetch_factor,
-                "to": pair(clamped),
-            })
-        return clamped, _window_verdict(stats, settings, data_verdict), reason
-
-    # 2. one window unlike the config's earlier ones: noise (a heavy tail) or new conditions; acting on it pooled
-    # with the old windows would size from a blend, and judging a change against them would blame the config
-    if fit.suspect is not None:
-        shift = fit.suspect
-        return current, _window_verdict(stats, settings, data_verdict), Reason(ReasonKind.SHIFT_SUSPECTED, {
-            "signal": shift.signal, "before": shift.before, "now": shift.now, "config": pair(current),
+    if clamped == current:
+        return None
+    if limit == "memory":
+        return clamped, Verdict.MEMORY_CAPPED, Reason(ReasonKind.OVER_MEMORY, {
+            "config": pair(current), "to": pair(clamped), **_over_memory(current, stats.batch_bytes, budget),
         })
-
-    # 3. the rebuild cap
-    if fit.rebuilds >= settings.max_rebuilds:
-        return current, _window_verdict(stats, settings, data_verdict), Reason(ReasonKind.REBUILD_CAP, {
-            "rebuilds": fit.rebuilds, "config": pair(current), "util": util,
+    if limit == "workers":
+        reason = Reason(ReasonKind.OVER_WORKERS, {
+            "workers": current.num_workers, "max_workers": budget.max_workers, "to": pair(clamped),
         })
+    else:
+        reason = Reason(ReasonKind.OVER_PREFETCH, {
+            "prefetch": current.prefetch_factor, "max_prefetch": settings.max_prefetch_factor,
+            "to": pair(clamped),
+        })
+    return clamped, case.held, reason
 
-    # 4. judge the last change
-    last = fit.last_change
+
+def _suspected_shift(case: _Case) -> Optional[_Rule]:
+    """2. One window unlike the config's earlier ones: noise (a heavy tail) or new conditions; hold.
+
+    Acting on it pooled with the old windows would size from a blend, and judging a change against them
+    would blame the config.
+    """
+    shift = case.fit.suspect
+    if shift is None:
+        return None
+    return case.current, case.held, Reason(ReasonKind.SHIFT_SUSPECTED, {
+        "signal": shift.signal, "before": shift.before, "now": shift.now, "config": pair(case.current),
+    })
+
+
+def _rebuild_cap(case: _Case) -> Optional[_Rule]:
+    """3. After ``max_rebuilds`` changes under the same conditions, nothing changes any more."""
+    if case.fit.rebuilds < case.settings.max_rebuilds:
+        return None
+    return case.current, case.held, Reason(ReasonKind.REBUILD_CAP, {
+        "rebuilds": case.fit.rebuilds, "config": pair(case.current), "util": case.stats.utilization,
+    })
+
+
+def _judge_last_change(case: _Case) -> Optional[_Rule]:
+    """4. A step up that made it slower, or a give-back that starved the loop: measured again, then undone."""
+    current, stats, settings, data_verdict = case.current, case.stats, case.settings, case.data_verdict
+    last = case.fit.last_change
     # going back must itself fit today's budget (a change forced by the budget is not undone)
     can_go_back = (
         last is not None
-        and last.before not in fit.rejected
-        and clamp_to_budget(last.before, stats.batch_bytes, budget, settings)[0] == last.before
+        and last.before not in case.fit.rejected
+        and clamp_to_budget(last.before, stats.batch_bytes, case.budget, settings)[0] == last.before
     )
-    if last is not None and can_go_back:
-        contention = {"step_ratio": last.step_ratio} if last.contention else {}
-        if last.kind in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH) and last.gain < -settings.min_gain:
-            numbers = {"gain": last.gain, "rate_before": last.before_stats.samples_per_s,
-                       "rate": stats.samples_per_s, "from": pair(last.before), "to": pair(current), **contention}
-            if not last.confirmed:  # one window is noise until a second agrees
-                return current, _window_verdict(stats, settings, data_verdict), Reason(
-                    ReasonKind.CONFIRM_SLOWER, numbers)
-            more_workers = last.kind is ChangeKind.MORE_WORKERS
-            verdict = Verdict.DATA_BOUND_CPU if more_workers else _window_verdict(stats, settings, data_verdict)
-            return last.before, verdict, Reason(ReasonKind.UNDO_SLOWER, {**numbers, "windows": last.windows})
-        if last.kind is ChangeKind.GIVE_BACK and is_starved(stats, settings):
-            numbers = {"config": pair(current), "util": util, "low": low, "starvation": starvation,
-                       "to": pair(last.before)}
-            if not last.confirmed:
-                return current, data_verdict, Reason(ReasonKind.CONFIRM_STARVED, numbers)
-            return last.before, data_verdict, Reason(ReasonKind.UNDO_GIVE_BACK, numbers)
+    if last is None or not can_go_back:
+        return None
+    contention = {"step_ratio": last.step_ratio} if last.contention else {}
+    if last.kind in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH) and last.gain < -settings.min_gain:
+        numbers = {"gain": last.gain, "rate_before": last.before_stats.samples_per_s,
+                   "rate": stats.samples_per_s, "from": pair(last.before), "to": pair(current), **contention}
+        if not last.confirmed:  # one window is noise until a second agrees
+            return current, case.held, Reason(ReasonKind.CONFIRM_SLOWER, numbers)
+        more_workers = last.kind is ChangeKind.MORE_WORKERS
+        verdict = Verdict.DATA_BOUND_CPU if more_workers else case.held
+        return last.before, verdict, Reason(ReasonKind.UNDO_SLOWER, {**numbers, "windows": last.windows})
+    if last.kind is ChangeKind.GIVE_BACK and is_starved(stats, settings):
+        numbers = {"config": pair(current), "util": stats.utilization, "low": settings.band[0],
+                   "starvation": stats.starvation_ratio, "to": pair(last.before)}
+        if not last.confirmed:
+            return current, data_verdict, Reason(ReasonKind.CONFIRM_STARVED, numbers)
+        return last.before, data_verdict, Reason(ReasonKind.UNDO_GIVE_BACK, numbers)
+    return None
 
-    # 5.-8. where the window sits against the band: clearly outside means by the hysteresis plus the pooled
-    # windows' standard error (twice that above the band: slack costs only CPU and RAM, starving costs
-    # throughput), so that a config sitting near an edge does not flip on noise
+
+def _against_the_band(case: _Case, latest: WindowStats) -> _Rule:
+    """5.-8. Where the window sits against the band.
+
+    Clearly outside means by the hysteresis plus the pooled windows' standard error (twice that above the
+    band: slack costs only CPU and RAM, starving costs throughput), so that a config sitting near an edge
+    does not flip on noise.
+    """
+    current, stats, fit, settings, model = case.current, case.stats, case.fit, case.settings, case.model
+    low, high = settings.band
+    util, starvation = stats.utilization, stats.starvation_ratio
     if util < low - settings.hysteresis - fit.util_error:
         if starvation < settings.min_starvation:
             return current, Verdict.COMPUTE_BOUND, Reason(ReasonKind.COMPUTE_BOUND, {
                 "util": util, "starvation": starvation,
             })
-        return _add_throughput(current, stats, budget, fit, settings, model, data_verdict)
+        return _add_throughput(case)
     if util > high + settings.hysteresis + 2 * fit.util_error:
         return _give_back(current, stats, fit, settings, model)
-    # The estimate (1 - starvation) cannot climb past the band when every fetch pays a fixed hand-over
-    # cost (a batch unpickled from a worker): a queue that never ran dry in the last window (the first
-    # window of a config also holds its workers' start), fed by workers with twice the needed capacity,
-    # is slack all the same.
-    latest = latest or stats
-    if (
-        current.num_workers > 0
-        and stats.util_source != UtilSource.NVML
-        and util >= low
-        and latest.fetches > 0
-        and latest.stall_fraction <= _DRY_QUEUE
-        and model.capacity(current.num_workers) >= 2 * settings.headroom * model.demand
-    ):
+    if _slack_the_estimate_hides(case, latest):
         return _give_back(current, stats, fit, settings, model)
     return current, Verdict.IN_BAND, Reason(ReasonKind.IN_BAND, {
         "util": util, "windows": fit.windows, "low": low, "high": high, "inside": low <= util <= high,
         "starvation": starvation, "config": pair(current),
     })
+
+
+def _slack_the_estimate_hides(case: _Case, latest: WindowStats) -> bool:
+    """Slack in the band, where the estimate cannot show it.
+
+    The estimate (1 - starvation) cannot climb past the band when every fetch pays a fixed hand-over
+    cost (a batch unpickled from a worker): a queue that never ran dry in the last window (the first
+    window of a config also holds its workers' start), fed by workers with twice the needed capacity,
+    is slack all the same.
+    """
+    current, stats, model = case.current, case.stats, case.model
+    return (
+        current.num_workers > 0
+        and stats.util_source != UtilSource.NVML
+        and stats.utilization >= case.settings.band[0]
+        and latest.fetches > 0
+        and latest.stall_fraction <= _DRY_QUEUE
+        and model.capacity(current.num_workers) >= 2 * case.settings.headroom * model.demand
+    )
 
 
 def _window_verdict(stats: WindowStats, settings: PolicySettings, data_verdict: Verdict) -> Verdict:
@@ -259,26 +330,29 @@ def _window_verdict(stats: WindowStats, settings: PolicySettings, data_verdict: 
     return Verdict.IN_BAND
 
 
-def _add_throughput(
-    current: LoaderConfig,
-    stats: WindowStats,
-    budget: Budget,
-    fit: FitHistory,
-    settings: PolicySettings,
-    model: PipelineModel,
-    data_verdict: Verdict,
-) -> _Rule:
-    workers, prefetch = current.num_workers, current.prefetch_factor
-    starved = {"starvation": stats.starvation_ratio, "windows": fit.windows, "workers": workers}
-    last = fit.last_change
-    if last is not None and last.kind is ChangeKind.MORE_WORKERS and last.stopped_helping:
-        numbers = {"from_workers": last.before.num_workers, "workers": workers, "gain": last.gain,
-                   "min_gain": settings.min_gain}
-        if not last.confirmed:
-            return current, data_verdict, Reason(ReasonKind.CONFIRM_NO_GAIN, numbers)
-        return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.STOPPED_HELPING, numbers)
+def _add_throughput(case: _Case) -> _Rule:
+    """5. Below the band and starved: deeper prefetch for bursts, more workers for steady starvation."""
+    stats, fit = case.stats, case.fit
+    starved = {"starvation": stats.starvation_ratio, "windows": fit.windows, "workers": case.current.num_workers}
+    return _stopped_helping(case) or _deeper_prefetch(case, starved) or _more_workers(case, starved)
 
-    # bursty: the workers make enough on average, yet some fetches wait: deeper prefetch absorbs bursts
+
+def _stopped_helping(case: _Case) -> Optional[_Rule]:
+    """The last step up of workers gained less than ``min_gain`` where the model expected twice that: no more."""
+    current, last = case.current, case.fit.last_change
+    if last is None or last.kind is not ChangeKind.MORE_WORKERS or not last.stopped_helping:
+        return None
+    numbers = {"from_workers": last.before.num_workers, "workers": current.num_workers, "gain": last.gain,
+               "min_gain": case.settings.min_gain}
+    if not last.confirmed:
+        return current, case.data_verdict, Reason(ReasonKind.CONFIRM_NO_GAIN, numbers)
+    return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.STOPPED_HELPING, numbers)
+
+
+def _deeper_prefetch(case: _Case, starved: dict) -> Optional[_Rule]:
+    """Bursty: the workers make enough on average, yet some fetches wait: deeper prefetch absorbs bursts."""
+    current, stats, fit, settings, model = case.current, case.stats, case.fit, case.settings, case.model
+    workers, prefetch = current.num_workers, current.prefetch_factor
     capacity_ratio = model.capacity(workers) / model.demand if workers else 0.0
     # (where the loader cannot say what a batch costs, workers that finish together also leave most fetches a
     # batch ready: only a loop that waits less than a quarter of its time is taken for bursty then)
@@ -288,39 +362,33 @@ def _add_throughput(
         and (capacity_ratio >= 1.0 if stats.worker_batch_s is not None else stats.starvation_ratio < _BURSTY_UNKNOWN)
     )
     prefetch_top = min(settings.max_prefetch_factor, fit.prefetch_ceiling or settings.max_prefetch_factor)
-    if bursty and prefetch < prefetch_top:
-        stall_s = stats.fetch_wait_total_s / max(stats.stalls, 1)
-        # a batch is handed out ~workers x prefetch steps before it is needed: grow that lead by one stall
-        extra = math.ceil(stall_s * settings.headroom / model.step_mean_s / workers)
-        deeper = current.replace(prefetch_factor=min(prefetch_top, prefetch + max(1, extra)))
-        clamped, _ = clamp_to_budget(deeper, stats.batch_bytes, budget, settings)
-        if clamped.prefetch_factor > prefetch and clamped not in fit.rejected:
-            return clamped, data_verdict, Reason(ReasonKind.DEEPER_PREFETCH, {
-                **starved, "stall_fraction": stats.stall_fraction, "stall_s": stall_s,
-                "capacity_ratio": capacity_ratio if stats.worker_batch_s is not None else None,
-                "prefetch": prefetch, "to_prefetch": clamped.prefetch_factor,
-            })
+    if not bursty or prefetch >= prefetch_top:
+        return None
+    stall_s = stats.fetch_wait_total_s / max(stats.stalls, 1)
+    # a batch is handed out ~workers x prefetch steps before it is needed: grow that lead by one stall
+    extra = math.ceil(stall_s * settings.headroom / model.step_mean_s / workers)
+    deeper = current.replace(prefetch_factor=min(prefetch_top, prefetch + max(1, extra)))
+    clamped, _ = clamp_to_budget(deeper, stats.batch_bytes, case.budget, settings)
+    if clamped.prefetch_factor <= prefetch or clamped in fit.rejected:
+        return None
+    return clamped, case.data_verdict, Reason(ReasonKind.DEEPER_PREFETCH, {
+        **starved, "stall_fraction": stats.stall_fraction, "stall_s": stall_s,
+        "capacity_ratio": capacity_ratio if stats.worker_batch_s is not None else None,
+        "prefetch": prefetch, "to_prefetch": clamped.prefetch_factor,
+    })
 
-    # steady: Little's law says how many workers keep up with the step, plus headroom
+
+def _more_workers(case: _Case, starved: dict) -> _Rule:
+    """Steady: Little's law says how many workers keep up with the step, plus headroom."""
+    current, stats, budget, fit, model = case.current, case.stats, case.budget, case.fit, case.model
+    settings, data_verdict = case.settings, case.data_verdict
+    workers = current.num_workers
     cpu_limit = model.cpu_limit()
     ceiling = fit.worker_ceiling if fit.worker_ceiling is not None else UNLIMITED
     limit = min(budget.max_workers, cpu_limit, ceiling)
     cost = {"batch_s": model.batch_mean_s, "step_s": model.step_mean_s}
-    cpus = {"cpus": budget.cpus, "cpu_share": model.cpu_share}
     if workers >= limit:
-        if limit == ceiling:
-            return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.AT_WORKER_CEILING, {
-                **starved, "ceiling": fit.worker_ceiling,
-            })
-        if limit == cpu_limit:
-            fewer = current.replace(num_workers=cpu_limit)
-            if workers > cpu_limit and fewer not in fit.rejected:
-                # past saturation extra workers only hold memory and fight over the cores
-                return fewer, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.OVERSUBSCRIBED, {
-                    **starved, **cpus, "to_workers": cpu_limit,
-                })
-            return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.CPUS_SATURATED, {**starved, **cpus})
-        return current, data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost})
+        return _at_worker_limit(case, starved, cost, limit, ceiling)
     wanted = model.workers_for(settings.headroom * model.demand, workers + 1, limit) or limit
     wanted = max(wanted, workers + 1)
     gain = model.throughput(wanted) / model.throughput(workers) - 1.0
@@ -345,19 +413,47 @@ def _add_throughput(
         return target, Verdict.MEMORY_CAPPED, Reason(ReasonKind.MEMORY_CAPPED_WORKERS, {
             **starved, "wanted": wanted, "to": pair(target), **_over_memory(wanted_config, stats.batch_bytes, budget),
         })
-    # memory as a cost: steady starvation needs one batch in flight per worker (a worker gets its next batch
-    # when the loop takes its last one, W steps ahead), so where prefetched batches are a noticeable share of
-    # the memory budget the new workers start with prefetch 1; bursts, if any, then earn deeper prefetch
-    if target.prefetch_factor > 1 and stats.batch_bytes and budget.memory_bytes:
-        if prefetch_bytes(target, stats.batch_bytes)[0] > _HEAVY_MEMORY_SHARE * budget.memory_bytes:
-            target = target.replace(prefetch_factor=1)
+    target = _light_prefetch(target, stats.batch_bytes, budget)
     verdict = data_verdict
     if target.num_workers == cpu_limit and model.capacity(target.num_workers) < model.demand:
         verdict = Verdict.DATA_BOUND_CPU  # the most the CPUs carry still falls short
     return target, verdict, Reason(ReasonKind.MORE_WORKERS, {
-        **starved, **cost, "to_workers": target.num_workers, "prefetch": prefetch,
+        **starved, **cost, "to_workers": target.num_workers, "prefetch": current.prefetch_factor,
         "to_prefetch": target.prefetch_factor,
     })
+
+
+def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling: int) -> _Rule:
+    """Already at the most workers: the ceiling more workers met before, the CPUs' saturation, or the budget."""
+    current, fit, model = case.current, case.fit, case.model
+    workers, cpu_limit = current.num_workers, model.cpu_limit()
+    cpus = {"cpus": case.budget.cpus, "cpu_share": model.cpu_share}
+    if limit == ceiling:
+        return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.AT_WORKER_CEILING, {
+            **starved, "ceiling": fit.worker_ceiling,
+        })
+    if limit == cpu_limit:
+        fewer = current.replace(num_workers=cpu_limit)
+        if workers > cpu_limit and fewer not in fit.rejected:
+            # past saturation extra workers only hold memory and fight over the cores
+            return fewer, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.OVERSUBSCRIBED, {
+                **starved, **cpus, "to_workers": cpu_limit,
+            })
+        return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.CPUS_SATURATED, {**starved, **cpus})
+    return current, case.data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost})
+
+
+def _light_prefetch(target: LoaderConfig, batch_bytes: Optional[int], budget: Budget) -> LoaderConfig:
+    """``target`` at prefetch 1 where its prefetched batches are a noticeable share of the memory budget.
+
+    Memory as a cost: steady starvation needs one batch in flight per worker (a worker gets its next batch
+    when the loop takes its last one, W steps ahead), so the new workers start with prefetch 1; bursts, if
+    any, then earn deeper prefetch.
+    """
+    if target.prefetch_factor > 1 and batch_bytes and budget.memory_bytes:
+        if prefetch_bytes(target, batch_bytes)[0] > _HEAVY_MEMORY_SHARE * budget.memory_bytes:
+            return target.replace(prefetch_factor=1)
+    return target
 
 
 def _give_back(
@@ -382,7 +478,7 @@ def _give_back(
     queue_idle = stats.stall_fraction <= _DRY_QUEUE and starvation <= _DRY_QUEUE / 5
     shallower = min(prefetch, _DEFAULT_PREFETCH) if workers and queue_idle and confirmed else prefetch
 
-    def keeps_band(fewer: int, predicted: float) -> bool:
+    def keeps_band(predicted: float) -> bool:
         # on confirmed slack only: one lucky window (no slow batch of a heavy tail in it) is not slack; then down
         # to the band's top (a model a few points off still keeps the band)
         return confirmed and predicted >= high
@@ -393,7 +489,7 @@ def _give_back(
     for fewer in range(0, workers):
         candidate = current.replace(num_workers=fewer, prefetch_factor=shallower if fewer else prefetch)
         predicted = util * model.throughput(fewer) / now
-        if keeps_band(fewer, predicted) and allowed(candidate):
+        if keeps_band(predicted) and allowed(candidate):
             return candidate, verdict, Reason(ReasonKind.GIVE_BACK_WORKERS, {
                 **seen, "workers": workers, "to_workers": fewer, "predicted": min(predicted, 1.0),
                 "prefetch": prefetch, "to_prefetch": candidate.prefetch_factor,

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional, Union
 
 from lightning_dltune.core import validation
 from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.model import BURST_STALL_FRACTION
 from lightning_dltune.core.stats import WindowStats, _StrEnum, from_dict, to_dict
 
 
@@ -118,7 +119,7 @@ class PolicySettings:
         max_prefetch_factor: deepest prefetch the policy picks.
         min_starvation: below this starvation ratio a window is not data-bound (workers cannot help).
         headroom: how much more than the step consumes the picked workers should produce (Little's law
-            with a margin, so that one rebuild passes the band's low edge).
+            with a margin, so that one rebuild brings utilization above the band's low edge).
         hysteresis: how far outside the band utilization must be before the policy reacts.
         burst_stall_fraction: below this fraction of stalled fetches, starvation counts as bursty
             (deeper prefetch helps) rather than steady (more workers help).
@@ -134,7 +135,7 @@ class PolicySettings:
     min_starvation: float = 0.05
     headroom: float = 1.2
     hysteresis: float = 0.02
-    burst_stall_fraction: float = 0.5
+    burst_stall_fraction: float = BURST_STALL_FRACTION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "band", validation.band("band", self.band))

@@ -328,15 +328,26 @@ def sample_bytes(dataset: Dataset, timeout_s: float = 30.0) -> Optional[int]:
 
 
 def _send_sample_bytes(dataset: Dataset, send: Any) -> None:
+    try:
+        tensors = batch_tensors(dataset[0])
+    except Exception:  # the user's error belongs to the fit, with its own traceback
+        tensors = []
+    send.send(tensor_bytes(tensors) if tensors else None)
+    send.close()
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor of a batch or sample, in order (nested tuples, lists, dicts, dataclasses)."""
     from lightning_utilities.core.apply_func import apply_to_collection
 
-    sizes: list[int] = []
-    try:
-        apply_to_collection(dataset[0], torch.Tensor, lambda t: sizes.append(t.nelement() * t.element_size()))
-    except Exception:  # the user's error belongs to the fit, with its own traceback
-        sizes = []
-    send.send(sum(sizes) if sizes else None)
-    send.close()
+    tensors: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, tensors.append)
+    return tensors
+
+
+def tensor_bytes(batch: Any) -> int:
+    """Bytes of the tensors of a batch or sample (the one count of them: probe, sample and sweep use it)."""
+    return sum(t.nelement() * t.element_size() for t in batch_tensors(batch))
 
 
 def build_loader(

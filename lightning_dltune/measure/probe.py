@@ -11,7 +11,6 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dltune.core.config import LoaderConfig
@@ -19,7 +18,7 @@ from lightning_dltune.datamodule import TunableDataModule
 from lightning_dltune.loaders.collection import flatten_loaders
 from lightning_dltune.nvml.sampler import UtilizationSampler
 from lightning_dltune.measure.lightning_internals import fetches_per_step, time_fit_loop_fetches
-from lightning_dltune.loaders.loader import TunedDataLoader, counters_of
+from lightning_dltune.loaders.loader import TunedDataLoader, batch_tensors, counters_of, tensor_bytes
 from lightning_dltune.loaders.switch import loader_config_of
 from lightning_dltune.measure.meter import WindowMeter
 from lightning_dltune.core.stats import WindowStats
@@ -27,10 +26,9 @@ from lightning_dltune.core.stats import WindowStats
 
 def batch_size_and_bytes(batch: Any) -> tuple[int, int]:
     """Samples and tensor bytes of one batch: the first tensor's leading dimension, all tensors' bytes."""
-    tensors: list[torch.Tensor] = []
-    apply_to_collection(batch, torch.Tensor, tensors.append)
+    tensors = batch_tensors(batch)
     size = next((int(t.shape[0]) for t in tensors if t.ndim > 0), 1)
-    return size, sum(t.nelement() * t.element_size() for t in tensors)
+    return size, tensor_bytes(tensors)
 
 
 def step_size_and_bytes(batch: Any, loaders_per_step: int) -> tuple[int, int]:

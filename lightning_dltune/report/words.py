@@ -200,18 +200,20 @@ def _ms(seconds: float) -> str:
     return f"{ms:.1f} ms" if ms < 10 else f"{ms:.0f} ms"
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return f"{n:.1f} GB"
+def byte_text(n: float) -> str:
+    """Bytes as a short MiB (or KiB) string: ``1,234 MiB``, ``180 KiB``."""
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 def _memory(v: dict[str, Any]) -> str:
     if v.get("budget_bytes") is None:
         return "more than the memory budget"
-    return f"{_bytes(v['bytes'])} of batches, over the {_bytes(v['budget_bytes'])} {v['budget']} budget"
+    return over_memory_text(v["bytes"], v["budget_bytes"], v["budget"])
+
+
+def over_memory_text(used: float, allowed: float, budget: str) -> str:
+    """``12 MiB of batches, over the 8 MiB /dev/shm budget`` (``budget``: ``memory`` or ``/dev/shm``)."""
+    return f"{byte_text(used)} of batches, over the {byte_text(allowed)} {budget} budget"
 
 
 def _cost(v: dict[str, Any]) -> str:
