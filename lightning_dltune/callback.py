@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_dltune.core import validation
 from lightning_dltune.control.budgets import clamp_datamodule_start, job_budget
+from lightning_dltune.control.resources import MEMORY_FRACTION, SHM_FRACTION
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.control.run import TuningRun
 from lightning_dltune.report.console import Notices, say
@@ -24,7 +25,7 @@ from lightning_dltune.report.metrics import add_panels, log_interval, log_window
 from lightning_dltune.measure.probe import WindowProbe
 from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
 from lightning_dltune.report.recommendation import conclude_fit
-from lightning_dltune.report.words import VERBOSE_LINE, VERBOSE_REASON, epoch_line
+from lightning_dltune.report.words import VERBOSE_LINE, VERBOSE_REASON, window_line
 from lightning_dltune.core.stats import UtilSource, WindowStats
 from lightning_dltune.loaders.torch_internals import describe_failure
 from lightning_dltune.core.windows import WindowSchedule
@@ -141,8 +142,8 @@ class DataLoaderTuner(Callback):
         stall_threshold_ms: float = 1.0,
         log_every_n_steps: int = 0,
         max_workers: Optional[int] = None,
-        memory_fraction: float = 0.5,
-        shm_fraction: float = 0.5,
+        memory_fraction: float = MEMORY_FRACTION,
+        shm_fraction: float = SHM_FRACTION,
         max_rebuilds: int = 10,
         min_gain: float = 0.05,
         max_prefetch_factor: int = 8,
@@ -358,7 +359,7 @@ class DataLoaderTuner(Callback):
         scalars = window_scalars(record, self.band, self._run.rebuilds, None if mode is None else mode == MODE_SAMPLES)
         log_window(trainer, record, scalars, tuning=self.tune)
         if self.verbose >= VERBOSE_LINE:
-            say(trainer, epoch_line(record, tuning=self._run.tuning, verbose=self.verbose))
+            say(trainer, window_line(record, tuning=self._run.tuning, verbose=self.verbose))
 
     def _log_interval(self, trainer: pl.Trainer) -> None:
         if trainer.global_step == self._last_step_logged or self._probe.meter.interval_batches == 0:

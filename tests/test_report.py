@@ -11,7 +11,7 @@ from lightning_dltune.core.history import best_config
 from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, Reason, ReasonKind, Verdict, WindowRecord
 from lightning_dltune.report.recommendation import recommend
-from lightning_dltune.report.words import _WORDS, decision_markdown, epoch_line, reason_text, summary_table
+from lightning_dltune.report.words import _WORDS, decision_markdown, window_line, reason_text, summary_table
 from lightning_dltune.core.stats import UtilSource, WindowStats
 
 
@@ -74,10 +74,10 @@ def nvml(stats: WindowStats, util: float) -> WindowStats:
 
 def test_the_console_line_is_short_and_the_reason_comes_at_verbose_2():
     r = decided(window(41, worker_batch_s=0.041, worker_cpu_fraction=0.1), end_batch=10, step=10)
-    line = epoch_line(r, tuning=True)
+    line = window_line(r, tuning=True)
     assert line == ("[dltune] epoch 0 to batch 10 | workers 0 -> 5, prefetch 2 | GPU busy 20% (estimate)"
                     " | data-bound (I/O)")
-    first, second = epoch_line(r, tuning=True, verbose=2).split("\n")
+    first, second = window_line(r, tuning=True, verbose=2).split("\n")
     assert first == line
     assert "samples/s" in second and "step 10 ms (hook to hook)" in second and second.endswith(reason_text(r.reason))
 
@@ -90,17 +90,17 @@ def test_console_lines_stay_under_120_characters_and_say_worker_counts_in_englis
     for end_batch in (None, 250):
         r = decided(stats, LoaderConfig(num_workers=workers), end_batch=end_batch)
         r = replace(r, epoch=12, next_config=LoaderConfig(num_workers=workers + 4))
-        line = epoch_line(r, tuning=True)
+        line = window_line(r, tuning=True)
         assert len(line) <= 120, line
         assert "1 workers" not in line + reason_text(r.reason)
 
 
 def test_an_estimate_says_so_in_the_line_the_reason_and_the_decision_text():
     estimated = decided(window(0.2, worker_batch_s=0.005))  # 98 % busy by 1 - starvation
-    for text in (epoch_line(estimated, tuning=True, verbose=2), decision_markdown(estimated, tuning=True)):
+    for text in (window_line(estimated, tuning=True, verbose=2), decision_markdown(estimated, tuning=True)):
         assert "GPU busy 98% (estimate)" in text and "GPU 98% busy" not in text
     measured = decided(nvml(window(0.2, worker_batch_s=0.005), 0.93))
-    for text in (epoch_line(measured, tuning=True, verbose=2), decision_markdown(measured, tuning=True)):
+    for text in (window_line(measured, tuning=True, verbose=2), decision_markdown(measured, tuning=True)):
         assert "GPU 93% busy" in text and "estimate" not in text
 
 

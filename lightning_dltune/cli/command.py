@@ -176,17 +176,16 @@ def _tuner_limits(cli: SweepCLI) -> tuple[Any, float]:
     """The rank budget and ``min_gain`` the config's DataLoaderTuner would use (its defaults without one)."""
     from lightning_dltune.callback import DataLoaderTuner
     from lightning_dltune.control.resources import rank_budget
+    from lightning_dltune.core.records import PolicySettings
 
     tuner = next((cb for cb in cli.trainer.callbacks if isinstance(cb, DataLoaderTuner)), None)
-    budget = rank_budget(
-        local_ranks=max(1, cli.trainer.num_devices),  # the fit's ranks on this node share it
-        max_workers=getattr(tuner, "max_workers", None),
-        memory_fraction=getattr(tuner, "memory_fraction", 0.5),
-        shm_fraction=getattr(tuner, "shm_fraction", 0.5),
-    )
+    limits = {} if tuner is None else {
+        "max_workers": tuner.max_workers, "memory_fraction": tuner.memory_fraction, "shm_fraction": tuner.shm_fraction,
+    }
+    budget = rank_budget(local_ranks=max(1, cli.trainer.num_devices), **limits)  # the fit's ranks on this node share it
     min_gain = cli.config.min_gain
     if min_gain is None:
-        min_gain = getattr(getattr(tuner, "settings", None), "min_gain", getattr(tuner, "min_gain", 0.05))
+        min_gain = (tuner.settings if tuner is not None else PolicySettings()).min_gain
     return budget, min_gain
 
 

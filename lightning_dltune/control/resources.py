@@ -23,6 +23,8 @@ __all__ = ["usable_cpus", "memory_budget_bytes", "shm_free_bytes", "local_world_
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 SHM_PATH = "/dev/shm"
+MEMORY_FRACTION = 0.5  # default share of available RAM that prefetched batches may hold
+SHM_FRACTION = 0.5  # default share of free /dev/shm that they may hold
 # Where this process's cgroup is named; a module constant so tests can point it elsewhere.
 PROC_SELF_CGROUP = "/proc/self/cgroup"
 # cgroup v1 writes "no limit" as a page-rounded LLONG_MAX; anything this large is no limit.
@@ -277,8 +279,8 @@ def _workers_for(cpus_per_rank: float) -> int:
 def rank_budget(
     local_ranks: Optional[int] = None,
     max_workers: Optional[int] = None,
-    memory_fraction: float = 0.5,
-    shm_fraction: float = 0.5,
+    memory_fraction: float = MEMORY_FRACTION,
+    shm_fraction: float = SHM_FRACTION,
     cgroup_root: str = CGROUP_ROOT,
     shm_path: str = SHM_PATH,
 ) -> Budget:

@@ -109,7 +109,7 @@ def quiet_fd_server_resets() -> None:
     sys.excepthook = hook
 
 
-class ProbedDataset(Dataset):
+class TimedDataset(Dataset):
     """Wraps a map-style dataset to time batch production where it happens (in the workers).
 
     Attribute access falls through to the wrapped dataset, so ``loader.dataset.classes`` still works.
@@ -168,7 +168,7 @@ def counters_of(loader: DataLoader) -> Optional[ProductionCounters]:
     return collate.counters if isinstance(collate, TimedCollate) else None
 
 
-class _ProbedIterator(Iterator):
+class _FetchTimingIterator(Iterator):
     """Reports each fetch of a torch iterator, and carries out the loader's switch when it has one."""
 
     def __init__(self, loader: TunedDataLoader, iterator: Iterator, started: float) -> None:
@@ -237,7 +237,7 @@ class TunedDataLoader(IndexSamplerHook, DataLoader):
     """A :class:`~torch.utils.data.DataLoader` that reports fetch waits, exact stalls and worker cost.
 
     It takes exactly DataLoader's arguments. Build it with :func:`build_loader` to get worker-side
-    timing (a map-style dataset is wrapped in :class:`ProbedDataset`). Reports go to
+    timing (a map-style dataset is wrapped in :class:`TimedDataset`). Reports go to
     ``fetch_recorder`` when one is set (the :class:`~lightning_dltune.DataLoaderTuner` sets it on the
     training loaders); otherwise the iterator adds nothing but two attribute reads per batch.
     Its workers change only through a :class:`~lightning_dltune.loaders.switch.LoaderSwitch` (``switch``).
@@ -293,7 +293,7 @@ class TunedDataLoader(IndexSamplerHook, DataLoader):
             if recovered is None:
                 raise
             iterator = recovered
-        return _ProbedIterator(self, iterator, started)
+        return _FetchTimingIterator(self, iterator, started)
 
     def _iter_resumed(self) -> Iterator:
         resume, self._resume = self._resume, None
@@ -361,7 +361,7 @@ def build_loader(
 ) -> TunedDataLoader:
     """A :class:`TunedDataLoader` for ``dataset`` with ``config``, timing production in the workers.
 
-    Map-style datasets are wrapped in :class:`ProbedDataset`; iterable datasets are used as they are
+    Map-style datasets are wrapped in :class:`TimedDataset`; iterable datasets are used as they are
     (no worker-side timing; fetch waits are still exact).
     """
     from torch.utils.data import default_collate
@@ -373,7 +373,7 @@ def build_loader(
     if batch_size is not None and kwargs.get("batch_sampler") is None:
         counters = ProductionCounters()
         if not isinstance(dataset, IterableDataset):
-            dataset = ProbedDataset(dataset, counters)
+            dataset = TimedDataset(dataset, counters)
         collate = TimedCollate(collate, counters)
     loader_kwargs = config.dataloader_kwargs()
     if config.num_workers > 0 and mp_context is not None:

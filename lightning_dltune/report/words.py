@@ -46,7 +46,7 @@ def config_change(record: WindowRecord) -> str:
     return ", ".join([workers, prefetch, *other])
 
 
-def epoch_line(record: WindowRecord, tuning: bool, verbose: int = VERBOSE_LINE) -> str:
+def window_line(record: WindowRecord, tuning: bool, verbose: int = VERBOSE_LINE) -> str:
     """The console line of one window, about 120 characters: where, config (and change), utilization, verdict.
 
     ``verbose=2`` adds a second line: throughput, fetch wait against step time (measured hook to
@@ -256,10 +256,10 @@ _WORDS = {
     ReasonKind.NOTHING_MEASURED: lambda v: "no training batches measured: holding",
     ReasonKind.OVER_MEMORY: lambda v: f"{_short(v['config'])} would hold {_memory(v)}: {_short(v['to'])}",
     ReasonKind.OVER_WORKERS: lambda v: (
-        f"{_workers(v['workers'])} pass the budget of {v['max_workers']}: {_short(v['to'])}"
+        f"{_workers(v['workers'])} exceed the budget of {v['max_workers']}: {_short(v['to'])}"
     ),
     ReasonKind.OVER_PREFETCH: lambda v: (
-        f"prefetch {v['prefetch']} passes the most allowed, {v['max_prefetch']}: {_short(v['to'])}"
+        f"prefetch {v['prefetch']} exceeds the most allowed, {v['max_prefetch']}: {_short(v['to'])}"
     ),
     ReasonKind.REBUILD_CAP: lambda v: (
         f"rebuild cap hit ({v['rebuilds']} changes): holding {_short(v['config'])} at {_gpu(v)}"
