@@ -37,8 +37,12 @@ def summarize_strategy(strategy: str, runs: list[dict[str, Any]], epochs: int) -
     run = sorted(ok, key=lambda r: r["fit_s"])[len(ok) // 2]  # the median run (the upper one of two)
     es = run["epochs"]
     in_band_epoch, how = until_in_band(es)
-    changes = sum(1 for a, b in zip(es, es[1:]) if (a["num_workers"], a["prefetch_factor"]) != (b["num_workers"], b["prefetch_factor"]))
-    half = es[len(es) // 2:]
+    changes = sum(
+        1
+        for a, b in zip(es, es[1:])
+        if (a["num_workers"], a["prefetch_factor"]) != (b["num_workers"], b["prefetch_factor"])
+    )
+    half = es[len(es) // 2 :]
     return {
         "label": LABELS[strategy],
         "start_config": {"num_workers": run["spec"]["num_workers"], "prefetch_factor": run["spec"]["prefetch_factor"]},
@@ -131,19 +135,25 @@ def analyse(workload_result: dict[str, Any], epochs: int) -> dict[str, Any]:
         judged = bool(workload_result.get("phase_start"))
         tuned[start] = {
             # a phased workload is judged on its phase (from the fits' batch clocks), the others on the whole fit
-            "tuned_over_oracle_time": (ratio(t["phase_s"], oracle["phase_s"]) if judged
-                                       else ratio(t["fit_s"], oracle["fit_s"])),
+            "tuned_over_oracle_time": (
+                ratio(t["phase_s"], oracle["phase_s"]) if judged else ratio(t["fit_s"], oracle["fit_s"])
+            ),
             "tuned_over_oracle_fit_time": ratio(t["fit_s"], oracle["fit_s"]),
             "judged": workload_result.get("judged", "the whole fit"),
             "phase_s": t["phase_s"] if judged else None,
             "oracle_phase_s": oracle["phase_s"] if judged else None,
             "band_reached_batch": t["band_reached_batch"],
             "band_reached_after_change": t["band_reached_after_change"],
-            "band_reached_fraction": (None if t["band_reached_batch"] is None or workload_result["epochs"] != 1
-                                      else t["band_reached_batch"] / workload_result["train_batches"]),
+            "band_reached_fraction": (
+                None
+                if t["band_reached_batch"] is None or workload_result["epochs"] != 1
+                else t["band_reached_batch"] / workload_result["train_batches"]
+            ),
             **_hog_configs(workload_result, t),
             "default_over_tuned_time": ratio(default.get("fit_s"), t["fit_s"]),
-            "tuned_over_default_steady_samples_per_s": ratio(t["steady_samples_per_s"], default.get("steady_samples_per_s")),
+            "tuned_over_default_steady_samples_per_s": ratio(
+                t["steady_samples_per_s"], default.get("steady_samples_per_s")
+            ),
             "peak_memory_over_oracle": ratio(t["peak_memory_mb"], oracle["peak_memory_mb"]),
             "steady_peak_memory_over_oracle": ratio(t["steady_peak_memory_mb"], oracle["steady_peak_memory_mb"]),
             "final_config": t["final_config"],
@@ -161,17 +171,50 @@ def _hog_configs(workload_result: dict[str, Any], tuned: dict[str, Any]) -> dict
     if hog is None or not configs or hog < 1 or hog > len(configs):
         return {}
     before, after = configs[hog - 1], configs[-1]
-    return {"config_before_hog": config_dict(before), "config_after_hog": config_dict(after),
-            "hog_s": tuned.get("hog_s")}
+    return {
+        "config_before_hog": config_dict(before),
+        "config_after_hog": config_dict(after),
+        "hog_s": tuned.get("hog_s"),
+    }
 
 
 def _slim(run: dict[str, Any]) -> dict[str, Any]:
     """What the results keep of a run: its spec, times, memory and a few fields per epoch."""
-    keep = ("fit_s", "process_wall_s", "load_avg_1m", "memory", "memory_steady", "loader_rebuilds", "error",
-            "memory_fraction", "phase_start", "phase_s", "band_reached_batch", "band_reached_after_change", "hog_s")
+    keep = (
+        "fit_s",
+        "process_wall_s",
+        "load_avg_1m",
+        "memory",
+        "memory_steady",
+        "loader_rebuilds",
+        "error",
+        "memory_fraction",
+        "phase_start",
+        "phase_s",
+        "band_reached_batch",
+        "band_reached_after_change",
+        "hog_s",
+    )
     out = {k: run[k] for k in keep if k in run}
     out["spec"] = {k: v for k, v in run["spec"].items() if k != "run_id"}
-    out["epochs"] = [{k: e[k] for k in ("epoch", "num_workers", "prefetch_factor", "samples_per_s", "utilization",
-                                        "starvation_ratio", "stall_fraction", "worker_batch_ms", "verdict",
-                                        "changed", "wall_s", "reason")} for e in run.get("epochs", [])]
+    out["epochs"] = [
+        {
+            k: e[k]
+            for k in (
+                "epoch",
+                "num_workers",
+                "prefetch_factor",
+                "samples_per_s",
+                "utilization",
+                "starvation_ratio",
+                "stall_fraction",
+                "worker_batch_ms",
+                "verdict",
+                "changed",
+                "wall_s",
+                "reason",
+            )
+        }
+        for e in run.get("epochs", [])
+    ]
     return out

@@ -34,8 +34,9 @@ def launch(spec: dict[str, Any], log_dir: str, timeout_s: float) -> dict[str, An
     load = os.getloadavg()[0]
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env, start_new_session=True
+        )
         sampler = TreeMemorySampler(proc.pid)
         sampler.start()
         try:
@@ -72,4 +73,3 @@ def _epoch_at(result: dict[str, Any], t: Optional[float]) -> Optional[int]:
         if e.get("ended_at") and t <= e["ended_at"]:
             return e["epoch"]
     return None
-

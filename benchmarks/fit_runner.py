@@ -46,8 +46,14 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         workload = workload.slowed_throughout()  # a grid point of a phased workload: the judged phase alone
     memory_fraction = _memory_fraction(workload)
 
-    tuner = DataLoaderTuner(tune=spec["tune"], band=BAND, util_source="estimate", memory_fraction=memory_fraction,
-                            verbose=False, recommendation_file=False)
+    tuner = DataLoaderTuner(
+        tune=spec["tune"],
+        band=BAND,
+        util_source="estimate",
+        memory_fraction=memory_fraction,
+        verbose=False,
+        recommendation_file=False,
+    )
     clock = _epoch_clock(memory_fraction)
     batch_clock = BatchClock()
     hog = CpuHog(workload.hog_epoch) if workload.hog_epoch is not None else None
@@ -134,9 +140,16 @@ def _timed_fit(spec: dict[str, Any], workload, callbacks: list) -> tuple[float, 
             os.environ[EPOCH_FILE_ENV] = os.path.join(root, "epoch")  # read by the dataset in every worker
             callbacks.append(EpochFlag(os.environ[EPOCH_FILE_ENV]))
         trainer = pl.Trainer(
-            max_epochs=spec["epochs"], accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            default_root_dir=root, callbacks=callbacks,
+            max_epochs=spec["epochs"],
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=root,
+            callbacks=callbacks,
         )
         model, data = build(workload, spec["num_workers"], spec["prefetch_factor"])
         fit_started = time.time()
@@ -152,38 +165,47 @@ def _epoch_rows(history, clock) -> list[dict[str, Any]]:
     epochs = []
     for i, (record, s) in enumerate(_per_epoch(history)):
         wall = clock.marks[i + 1] - clock.marks[i] if i + 1 < len(clock.marks) else None
-        epochs.append({
-            "epoch": record.epoch,
-            "num_workers": record.config.num_workers,
-            "prefetch_factor": record.config.prefetch_factor,
-            "samples_per_s": s.samples_per_s,
-            "utilization": s.utilization,
-            "starvation_ratio": s.starvation_ratio,
-            "stall_fraction": s.stall_fraction,
-            "fetch_wait_ms": 1e3 * s.fetch_wait_mean_s,
-            "step_ms": 1e3 * s.step_mean_s,
-            "startup_ms": 1e3 * s.startup_s,
-            "worker_batch_ms": None if s.worker_batch_s is None else 1e3 * s.worker_batch_s,
-            "worker_cpu_fraction": s.worker_cpu_fraction,
-            "batch_bytes": s.batch_bytes,
-            "samples": s.samples,
-            "verdict": str(record.verdict),
-            "reason": reason_text(record.reason),
-            "changed": record.changed,
-            "next_num_workers": record.next_config.num_workers,
-            "next_prefetch_factor": record.next_config.prefetch_factor,
-            "wall_s": wall,
-            "ended_at": clock.marks[i + 1] if i + 1 < len(clock.marks) else None,
-            "memory_budget_mb": clock.budget_mb[i] if i < len(clock.budget_mb) else None,
-        })
+        epochs.append(
+            {
+                "epoch": record.epoch,
+                "num_workers": record.config.num_workers,
+                "prefetch_factor": record.config.prefetch_factor,
+                "samples_per_s": s.samples_per_s,
+                "utilization": s.utilization,
+                "starvation_ratio": s.starvation_ratio,
+                "stall_fraction": s.stall_fraction,
+                "fetch_wait_ms": 1e3 * s.fetch_wait_mean_s,
+                "step_ms": 1e3 * s.step_mean_s,
+                "startup_ms": 1e3 * s.startup_s,
+                "worker_batch_ms": None if s.worker_batch_s is None else 1e3 * s.worker_batch_s,
+                "worker_cpu_fraction": s.worker_cpu_fraction,
+                "batch_bytes": s.batch_bytes,
+                "samples": s.samples,
+                "verdict": str(record.verdict),
+                "reason": reason_text(record.reason),
+                "changed": record.changed,
+                "next_num_workers": record.next_config.num_workers,
+                "next_prefetch_factor": record.next_config.prefetch_factor,
+                "wall_s": wall,
+                "ended_at": clock.marks[i + 1] if i + 1 < len(clock.marks) else None,
+                "memory_budget_mb": clock.budget_mb[i] if i < len(clock.budget_mb) else None,
+            }
+        )
     return epochs
 
 
 def _window_rows(history) -> list[dict[str, Any]]:
     """Every decision, where it closed: the trail of a fit whose epochs are few and long."""
-    return [{
-        "epoch": r.epoch, "end_batch": r.end_batch, "step": r.step,
-        "config": [r.config.num_workers, r.config.prefetch_factor],
-        "next_config": [r.next_config.num_workers, r.next_config.prefetch_factor],
-        "utilization": r.stats.utilization, "verdict": str(r.verdict), "reason": reason_text(r.reason),
-    } for r in history]
+    return [
+        {
+            "epoch": r.epoch,
+            "end_batch": r.end_batch,
+            "step": r.step,
+            "config": [r.config.num_workers, r.config.prefetch_factor],
+            "next_config": [r.next_config.num_workers, r.next_config.prefetch_factor],
+            "utilization": r.stats.utilization,
+            "verdict": str(r.verdict),
+            "reason": reason_text(r.reason),
+        }
+        for r in history
+    ]

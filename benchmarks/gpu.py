@@ -125,23 +125,38 @@ def run_fit(label: str, num_workers: int, tune: bool, args: argparse.Namespace, 
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.loggers import CSVLogger
-
-    from lightning_dltune import DataLoaderTuner
     from workloads import Workload, WorkloadDataModule
 
+    from lightning_dltune import DataLoaderTuner
+
     mode = SETTINGS["quick" if args.quick else "full"]
-    workload = Workload(name="gpu-jpeg", summary="JPEG decode + random resized crop", cost="", kind="jpeg",
-                        batch_size=mode["batch_size"], train_batches=mode["batches"], val_batches=2, step_ms=0.0)
+    workload = Workload(
+        name="gpu-jpeg",
+        summary="JPEG decode + random resized crop",
+        cost="",
+        kind="jpeg",
+        batch_size=mode["batch_size"],
+        train_batches=mode["batches"],
+        val_batches=2,
+        step_ms=0.0,
+    )
     pl.seed_everything(0, verbose=False)
     model, _, _ = build_model(args.device, args.quick)
-    data = WorkloadDataModule(workload, num_workers=num_workers, prefetch_factor=PREFETCH,
-                              pin_memory=args.device == "cuda")
+    data = WorkloadDataModule(
+        workload, num_workers=num_workers, prefetch_factor=PREFETCH, pin_memory=args.device == "cuda"
+    )
     tuner = DataLoaderTuner(tune=tune, band=BAND, nvml_poll_interval_s=1.0, verbose=False, recommendation_file=False)
     root = tempfile.mkdtemp(prefix=f"{label}-", dir=log_root)
     trainer = pl.Trainer(
-        max_epochs=mode["epochs"], accelerator="gpu" if args.device == "cuda" else "cpu", devices=1,
-        precision="bf16-mixed" if args.device == "cuda" else "32-true", logger=CSVLogger(root, name="log"),
-        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        max_epochs=mode["epochs"],
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=1,
+        precision="bf16-mixed" if args.device == "cuda" else "32-true",
+        logger=CSVLogger(root, name="log"),
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
         callbacks=[tuner],  # Lightning adds its ModelCheckpoint: saving is part of the fit, and left out of gpu_util
     )
     started = time.perf_counter()
@@ -151,9 +166,17 @@ def run_fit(label: str, num_workers: int, tune: bool, args: argparse.Namespace, 
     windows = [_window_row(r, m) for r, m in zip(tuner.history, _logged_nvml_modes(root, len(tuner.history)))]
     if args.device == "cuda":
         torch.cuda.synchronize()
-    return {"label": label, "tuned": tune, "start_workers": num_workers, "prefetch_factor": PREFETCH,
-            "fit_s": fit_s, "samples_per_s": samples / fit_s, "windows": windows, "rebuilds": tuner.rebuilds,
-            "final_config": None if not tuner.history else tuner.history[-1].config.as_dict()}
+    return {
+        "label": label,
+        "tuned": tune,
+        "start_workers": num_workers,
+        "prefetch_factor": PREFETCH,
+        "fit_s": fit_s,
+        "samples_per_s": samples / fit_s,
+        "windows": windows,
+        "rebuilds": tuner.rebuilds,
+        "final_config": None if not tuner.history else tuner.history[-1].config.as_dict(),
+    }
 
 
 def _logged_nvml_modes(root: str, count: int) -> list[Optional[str]]:
@@ -173,13 +196,23 @@ def _window_row(record: Any, nvml_mode: Optional[str]) -> dict[str, Any]:
     nvml = s.gpu_util if s.util_source == "nvml" else None
     estimate = 1.0 - s.starvation_ratio
     return {
-        "epoch": record.epoch, "end_batch": record.end_batch, "batches": s.batches,
-        "num_workers": record.config.num_workers, "prefetch_factor": record.config.prefetch_factor,
-        "samples_per_s": s.samples_per_s, "nvml_util": nvml, "nvml_mode": nvml_mode, "estimate": estimate,
+        "epoch": record.epoch,
+        "end_batch": record.end_batch,
+        "batches": s.batches,
+        "num_workers": record.config.num_workers,
+        "prefetch_factor": record.config.prefetch_factor,
+        "samples_per_s": s.samples_per_s,
+        "nvml_util": nvml,
+        "nvml_mode": nvml_mode,
+        "estimate": estimate,
         "abs_nvml_minus_estimate": None if nvml is None else abs(nvml - estimate),
-        "starvation_ratio": s.starvation_ratio, "fetch_wait_ms": 1e3 * s.fetch_wait_mean_s,
-        "step_ms": 1e3 * s.step_mean_s, "verdict": record.verdict, "reason": record.reason,
-        "next_num_workers": record.next_config.num_workers, "next_prefetch_factor": record.next_config.prefetch_factor,
+        "starvation_ratio": s.starvation_ratio,
+        "fetch_wait_ms": 1e3 * s.fetch_wait_mean_s,
+        "step_ms": 1e3 * s.step_mean_s,
+        "verdict": record.verdict,
+        "reason": record.reason,
+        "next_num_workers": record.next_config.num_workers,
+        "next_prefetch_factor": record.next_config.prefetch_factor,
     }
 
 
@@ -194,14 +227,22 @@ def verdict_agrees(verdict: str, nvml: float) -> bool:
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     static = [r for r in runs if not r["tuned"] and "error" not in r]
     tuned = [r for r in runs if r["tuned"] and "error" not in r]
-    grid = [{"num_workers": r["start_workers"], "prefetch_factor": r["prefetch_factor"], "projected_fit_s": r["fit_s"],
-             "within_budget": True, "label": r["label"]} for r in static]
+    grid = [
+        {
+            "num_workers": r["start_workers"],
+            "prefetch_factor": r["prefetch_factor"],
+            "projected_fit_s": r["fit_s"],
+            "within_budget": True,
+            "label": r["label"],
+        }
+        for r in static
+    ]
     oracle = pick_oracle(grid) if grid else None
     default = next((r for r in static if r["start_workers"] == 0), None)
     tuned_s = statistics.median(r["fit_s"] for r in tuned) if tuned else None
     out: dict[str, Any] = {
-        "oracle": oracle and {"label": oracle["label"], "num_workers": oracle["num_workers"],
-                              "fit_s": oracle["projected_fit_s"]},
+        "oracle": oracle
+        and {"label": oracle["label"], "num_workers": oracle["num_workers"], "fit_s": oracle["projected_fit_s"]},
         "tuned_fit_s": tuned_s,
         "tuned_fit_s_each": [r["fit_s"] for r in tuned],
         "tuned_over_oracle_time": tuned_s / oracle["projected_fit_s"] if oracle and tuned_s else None,
@@ -210,17 +251,31 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     diffs = [(r["label"], w) for r in runs for w in r.get("windows", []) if w["nvml_util"] is not None]
     if diffs:
         gaps = [w["abs_nvml_minus_estimate"] for _, w in diffs]
-        out["nvml_vs_estimate"] = {"windows": len(gaps), "mean_abs": statistics.mean(gaps),
-                                   "median_abs": statistics.median(gaps), "max_abs": max(gaps),
-                                   "modes": sorted({str(w["nvml_mode"]) for _, w in diffs})}
+        out["nvml_vs_estimate"] = {
+            "windows": len(gaps),
+            "mean_abs": statistics.mean(gaps),
+            "median_abs": statistics.median(gaps),
+            "max_abs": max(gaps),
+            "modes": sorted({str(w["nvml_mode"]) for _, w in diffs}),
+        }
         checked = [(label, w, verdict_agrees(w["verdict"], w["nvml_util"])) for label, w in diffs]
         out["verdicts"] = {
-            "agree": sum(ok for _, _, ok in checked), "windows": len(checked),
+            "agree": sum(ok for _, _, ok in checked),
+            "windows": len(checked),
             "tuned_agree": sum(ok for label, _, ok in checked if label.startswith("tuned")),
             "tuned_windows": sum(label.startswith("tuned") for label, _, _ in checked),
-            "disagreements": [{"run": label, "epoch": w["epoch"], "end_batch": w["end_batch"],
-                               "verdict": w["verdict"], "nvml_util": w["nvml_util"], "estimate": w["estimate"]}
-                              for label, w, ok in checked if not ok],
+            "disagreements": [
+                {
+                    "run": label,
+                    "epoch": w["epoch"],
+                    "end_batch": w["end_batch"],
+                    "verdict": w["verdict"],
+                    "nvml_util": w["nvml_util"],
+                    "estimate": w["estimate"],
+                }
+                for label, w, ok in checked
+                if not ok
+            ],
         }
     else:
         out["nvml_vs_estimate"] = {"windows": 0, "note": "no window measured by NVML (no CUDA device or NVML)"}
@@ -246,12 +301,16 @@ def render_markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     machine = meta.get("machine", {})
     lines = [
-        f"# GPU benchmark ({meta['mode']}, device {meta['device']})", "",
-        f"{meta.get('gpu_name') or 'no GPU'}; {machine.get('usable_cpus')} usable CPUs ({machine.get('cpu_model', '')});"
+        f"# GPU benchmark ({meta['mode']}, device {meta['device']})",
+        "",
+        f"{meta.get('gpu_name') or 'no GPU'}; {machine.get('usable_cpus')} usable CPUs"
+        f" ({machine.get('cpu_model', '')});"
         f" torch {machine.get('torch')}, lightning {machine.get('lightning')}; commit {machine.get('git_commit')};"
-        f" {meta.get('wall_s', 0):.0f} s in all.", "",
+        f" {meta.get('wall_s', 0):.0f} s in all.",
+        "",
         f"Model: {meta['model']}. Data: the JPEG example pipeline, batch {meta['batch_size']},"
-        f" {meta['batches_per_epoch']} batches x {meta['epochs']} epochs per fit, precision {meta['precision']}.", "",
+        f" {meta['batches_per_epoch']} batches x {meta['epochs']} epochs per fit, precision {meta['precision']}.",
+        "",
     ]
     lines += _check_lines(results.get("nvml_check", {}))
     lines += _fit_lines(results["runs"])
@@ -264,10 +323,16 @@ def _check_lines(check: dict[str, Any]) -> list[str]:
     """The NVML check's table, or why it did not run."""
     lines = ["## NVML check", ""]
     if check.get("checks"):
-        lines += [f"{'all passed' if check.get('passed') else 'FAILED'}:", "", "| check | result | value | expected |",
-                  "|---|---|---|---|"]
-        lines += [f"| {c['name']} | {'pass' if c['ok'] else '**FAIL**'} | `{c['value']}` | {c['expected']} |"
-                  for c in check["checks"]]
+        lines += [
+            f"{'all passed' if check.get('passed') else 'FAILED'}:",
+            "",
+            "| check | result | value | expected |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {c['name']} | {'pass' if c['ok'] else '**FAIL**'} | `{c['value']}` | {c['expected']} |"
+            for c in check["checks"]
+        ]
     else:
         lines.append(f"not run: {check.get('skipped') or check.get('error')}")
     return lines
@@ -275,50 +340,74 @@ def _check_lines(check: dict[str, Any]) -> list[str]:
 
 def _fit_lines(runs: list[dict[str, Any]]) -> list[str]:
     """One row per fit: start, fit time, samples/s, the last window's config, NVML / estimate per window."""
-    lines = ["", "## Fits", "", "| run | start | fit s | samples/s | last window's config | windows: NVML / estimate |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Fits",
+        "",
+        "| run | start | fit s | samples/s | last window's config | windows: NVML / estimate |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in runs:
         if "error" in r:
             lines.append(f"| {r['label']} | {r['start_workers']} | failed: {r['error'][:80]} | | | |")
             continue
         pairs = ", ".join(f"{_f(w['nvml_util'])}/{_f(w['estimate'])}" for w in r["windows"])
         final = r["final_config"] or {}
-        lines.append(f"| {r['label']} | {r['start_workers']}x{r['prefetch_factor']} | {r['fit_s']:.1f} |"
-                     f" {r['samples_per_s']:.0f} | {final.get('num_workers')}x{final.get('prefetch_factor')} | {pairs} |")
+        lines.append(
+            f"| {r['label']} | {r['start_workers']}x{r['prefetch_factor']} | {r['fit_s']:.1f} |"
+            f" {r['samples_per_s']:.0f} | {final.get('num_workers')}x{final.get('prefetch_factor')} | {pairs} |"
+        )
     return lines
 
 
 def _tuned_window_lines(runs: list[dict[str, Any]]) -> list[str]:
     """Every window of the tuned fits: where it closed, its config, samples/s, NVML, estimate, clocks, verdict."""
-    lines = ["", "## Windows of the tuned fits", "",
-             "| run | epoch | config | samples/s | NVML | estimate | fetch wait ms | step ms | verdict |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Windows of the tuned fits",
+        "",
+        "| run | epoch | config | samples/s | NVML | estimate | fetch wait ms | step ms | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         if r.get("tuned") and "error" not in r:
             for w in r["windows"]:
                 part = f" (first {w['end_batch']})" if w["end_batch"] else ""
-                lines.append(f"| {r['label']} | {w['epoch']}{part} | {w['num_workers']}x{w['prefetch_factor']} |"
-                             f" {w['samples_per_s']:.0f} | {_f(w['nvml_util'])} {w['nvml_mode'] or ''} |"
-                             f" {_f(w['estimate'])} | {w['fetch_wait_ms']:.1f} | {w['step_ms']:.1f} | {w['verdict']} |")
+                lines.append(
+                    f"| {r['label']} | {w['epoch']}{part} | {w['num_workers']}x{w['prefetch_factor']} |"
+                    f" {w['samples_per_s']:.0f} | {_f(w['nvml_util'])} {w['nvml_mode'] or ''} |"
+                    f" {_f(w['estimate'])} | {w['fetch_wait_ms']:.1f} | {w['step_ms']:.1f} | {w['verdict']} |"
+                )
     return lines
 
 
 def _summary_lines(summary: dict[str, Any]) -> list[str]:
     """The oracle, tuned / oracle and default / tuned time, |NVML - estimate|, and the verdicts against NVML."""
     nv, verdicts, oracle = summary.get("nvml_vs_estimate", {}), summary.get("verdicts", {}), summary.get("oracle")
-    lines = ["", "## Summary", "",
-             f"- oracle (leanest static config within 2 % of the fastest): {oracle and oracle['label']}"
-             f" ({_f(oracle and oracle['fit_s'], '{:.1f}')} s)",
-             f"- tuned fit: {_f(summary.get('tuned_fit_s'), '{:.1f}')} s (median of {summary.get('tuned_fit_s_each')})",
-             f"- tuned / oracle time: {_f(summary.get('tuned_over_oracle_time'))};"
-             f" default (0 workers) / tuned time: {_f(summary.get('default_over_tuned_time'))}"]
+    lines = [
+        "",
+        "## Summary",
+        "",
+        f"- oracle (leanest static config within 2 % of the fastest): {oracle and oracle['label']}"
+        f" ({_f(oracle and oracle['fit_s'], '{:.1f}')} s)",
+        f"- tuned fit: {_f(summary.get('tuned_fit_s'), '{:.1f}')} s (median of {summary.get('tuned_fit_s_each')})",
+        f"- tuned / oracle time: {_f(summary.get('tuned_over_oracle_time'))};"
+        f" default (0 workers) / tuned time: {_f(summary.get('default_over_tuned_time'))}",
+    ]
     if nv.get("windows"):
-        lines.append(f"- |NVML - estimate| over {nv['windows']} windows: mean {nv['mean_abs']:.3f}, median"
-                     f" {nv['median_abs']:.3f}, max {nv['max_abs']:.3f} (NVML read as {', '.join(nv['modes'])})")
-        lines.append(f"- verdicts agreeing with NVML: {verdicts['agree']}/{verdicts['windows']} windows"
-                     f" ({verdicts['tuned_agree']}/{verdicts['tuned_windows']} in the tuned fits)")
-        lines += [f"  - disagrees: {d['run']} epoch {d['epoch']}: {d['verdict']} at NVML {d['nvml_util']:.2f}"
-                  f" (estimate {d['estimate']:.2f})" for d in verdicts["disagreements"]]
+        lines.append(
+            f"- |NVML - estimate| over {nv['windows']} windows: mean {nv['mean_abs']:.3f}, median"
+            f" {nv['median_abs']:.3f}, max {nv['max_abs']:.3f} (NVML read as {', '.join(nv['modes'])})"
+        )
+        lines.append(
+            f"- verdicts agreeing with NVML: {verdicts['agree']}/{verdicts['windows']} windows"
+            f" ({verdicts['tuned_agree']}/{verdicts['tuned_windows']} in the tuned fits)"
+        )
+        lines += [
+            f"  - disagrees: {d['run']} epoch {d['epoch']}: {d['verdict']} at NVML {d['nvml_util']:.2f}"
+            f" (estimate {d['estimate']:.2f})"
+            for d in verdicts["disagreements"]
+        ]
     else:
         lines.append(f"- NVML vs estimate: {nv.get('note')}")
     return lines
@@ -331,8 +420,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny model, few batches, grid 0/2 workers")
     parser.add_argument("--skip-check", action="store_true", help="skip the NVML check (step 1)")
-    parser.add_argument("--budget-s", type=float, default=450.0,
-                        help="skip the remaining fits (the second tuned one last) once this much time is spent")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="skip the remaining fits (the second tuned one last) once this much time is spent",
+    )
     parser.add_argument("--seed", type=int, default=0, help="order of the static grid")
     return parser.parse_args(argv)
 
@@ -388,15 +481,24 @@ def _quiet_torch_for(device: str) -> Any:
     return torch
 
 
-def _meta(args: argparse.Namespace, mode: dict[str, Any], model_name: str, is_resnet: bool,
-          torch: Any) -> dict[str, Any]:
+def _meta(
+    args: argparse.Namespace, mode: dict[str, Any], model_name: str, is_resnet: bool, torch: Any
+) -> dict[str, Any]:
     """The run's meta: mode, device, model, what one fit runs, the GPU, the machine."""
-    return {"mode": "quick" if args.quick else "full", "device": args.device, "model": model_name,
-            "resnet18": is_resnet, "batch_size": mode["batch_size"],
-            "batches_per_epoch": mode["batches"], "epochs": mode["epochs"], "band": BAND,
-            "precision": "bf16-mixed" if args.device == "cuda" else "32-true",
-            "gpu_name": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-            "machine": machine_info(), "rule_of_thumb_workers": rule_of_thumb_workers()}
+    return {
+        "mode": "quick" if args.quick else "full",
+        "device": args.device,
+        "model": model_name,
+        "resnet18": is_resnet,
+        "batch_size": mode["batch_size"],
+        "batches_per_epoch": mode["batches"],
+        "epochs": mode["epochs"],
+        "band": BAND,
+        "precision": "bf16-mixed" if args.device == "cuda" else "32-true",
+        "gpu_name": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+        "machine": machine_info(),
+        "rule_of_thumb_workers": rule_of_thumb_workers(),
+    }
 
 
 def _nvml_check(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
@@ -416,16 +518,24 @@ def _nvml_check(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
     return check
 
 
-def _run_fits(results: dict[str, Any], fits: list[tuple[str, int, bool]], args: argparse.Namespace,
-              started: float) -> None:
+def _run_fits(
+    results: dict[str, Any], fits: list[tuple[str, int, bool]], args: argparse.Namespace, started: float
+) -> None:
     """Step 2: every planned fit, skipped once the time budget is spent; the outputs rewritten after each."""
     with tempfile.TemporaryDirectory(prefix="dltune-gpu-bench-") as log_root:
         for i, (label, workers, tune) in enumerate(fits, start=1):
             spent = time.perf_counter() - started
             if spent > args.budget_s:
                 print(f"[gpu bench] budget of {args.budget_s:.0f} s spent: skipping {label}", flush=True)
-                results["runs"].append({"label": label, "start_workers": workers, "tuned": tune,
-                                        "prefetch_factor": PREFETCH, "error": "skipped: time budget spent"})
+                results["runs"].append(
+                    {
+                        "label": label,
+                        "start_workers": workers,
+                        "tuned": tune,
+                        "prefetch_factor": PREFETCH,
+                        "error": "skipped: time budget spent",
+                    }
+                )
                 continue
             print(f"[gpu bench] step 2: fit {i}/{len(fits)} {label} ({spent:.0f} s so far)", flush=True)
             results["runs"].append(_fit_or_error(label, workers, tune, args, log_root))
@@ -440,12 +550,19 @@ def _fit_or_error(label: str, workers: int, tune: bool, args: argparse.Namespace
         run = run_fit(label.split(" (")[0].replace(" ", "-"), workers, tune, args, log_root)
         run["label"] = label
     except Exception as err:
-        run = {"label": label, "start_workers": workers, "tuned": tune, "prefetch_factor": PREFETCH,
-               "error": f"{type(err).__name__}: {err}"}
+        run = {
+            "label": label,
+            "start_workers": workers,
+            "tuned": tune,
+            "prefetch_factor": PREFETCH,
+            "error": f"{type(err).__name__}: {err}",
+        }
     if "error" not in run:
         pairs = " ".join(f"{_f(w['nvml_util'])}/{_f(w['estimate'])}" for w in run["windows"])
-        print(f"    {run['fit_s']:.1f} s, {run['samples_per_s']:.0f} samples/s, NVML/estimate per window:"
-              f" {pairs}", flush=True)
+        print(
+            f"    {run['fit_s']:.1f} s, {run['samples_per_s']:.0f} samples/s, NVML/estimate per window: {pairs}",
+            flush=True,
+        )
     else:
         print(f"    ! {run['error']}", flush=True)
     return run

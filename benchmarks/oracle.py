@@ -46,32 +46,39 @@ def pick_oracle(grid: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     return min(tied, key=lambda g: (g["num_workers"], g["prefetch_factor"]))
 
 
-def grid_rows(grid_runs: dict[tuple[int, int], dict[str, Any]], epochs: int, batch_bytes: float,
-              budget_mb: Optional[float]) -> list[dict[str, Any]]:
+def grid_rows(
+    grid_runs: dict[tuple[int, int], dict[str, Any]], epochs: int, batch_bytes: float, budget_mb: Optional[float]
+) -> list[dict[str, Any]]:
     """One row per grid point, by config: its fit time carried to ``epochs``, its speed, memory and budget."""
     grid = []
     for (w, p), r in sorted(grid_runs.items()):
         batches_held = w * p if w else 1
-        steady = [e["samples_per_s"] for e in r.get("epochs", [])[1:]] or [e["samples_per_s"] for e in r.get("epochs", [])]
-        grid.append({
-            "num_workers": w, "prefetch_factor": p,
-            "epochs": len(r.get("epochs", [])),
-            "fit_s": r.get("fit_s"),
-            "projected_fit_s": projected_fit_s(r, epochs),
-            "steady_samples_per_s": statistics.mean(steady) if steady else None,
-            "peak_memory_mb": r["memory"].get("peak_mb"),
-            "prefetch_mb": batches_held * batch_bytes / MB,
-            "within_budget": budget_mb is None or batches_held * batch_bytes <= budget_mb * MB,
-            "source": "grid" if r["spec"]["label"] == "grid" else f"{r['spec']['label']} run",
-            "load_avg_1m": r.get("load_avg_1m"),
-            "error": r.get("error"),
-        })
+        steady = [e["samples_per_s"] for e in r.get("epochs", [])[1:]] or [
+            e["samples_per_s"] for e in r.get("epochs", [])
+        ]
+        grid.append(
+            {
+                "num_workers": w,
+                "prefetch_factor": p,
+                "epochs": len(r.get("epochs", [])),
+                "fit_s": r.get("fit_s"),
+                "projected_fit_s": projected_fit_s(r, epochs),
+                "steady_samples_per_s": statistics.mean(steady) if steady else None,
+                "peak_memory_mb": r["memory"].get("peak_mb"),
+                "prefetch_mb": batches_held * batch_bytes / MB,
+                "within_budget": budget_mb is None or batches_held * batch_bytes <= budget_mb * MB,
+                "source": "grid" if r["spec"]["label"] == "grid" else f"{r['spec']['label']} run",
+                "load_avg_1m": r.get("load_avg_1m"),
+                "error": r.get("error"),
+            }
+        )
     return grid
 
 
 def oracle_rule(epochs: int, phased: bool, budget_mb: Optional[float]) -> str:
     """How the oracle was picked, in words (for the results)."""
-    return (f"leanest grid point within {ORACLE_TIE:.0%} of the fastest projected {epochs}-epoch fit time"
-            + (" with the slow cost throughout (the judged phase's oracle)" if phased else "")
-            + (f", among those whose prefetched batches fit the {budget_mb:.0f} MB budget"
-               if budget_mb else ""))
+    return (
+        f"leanest grid point within {ORACLE_TIE:.0%} of the fastest projected {epochs}-epoch fit time"
+        + (" with the slow cost throughout (the judged phase's oracle)" if phased else "")
+        + (f", among those whose prefetched batches fit the {budget_mb:.0f} MB budget" if budget_mb else "")
+    )

@@ -92,8 +92,15 @@ def per_batch_s(data_cls, with_tuner, batches, epochs=3):
     elif with_tuner:
         callbacks.append(DataLoaderTuner(tune=False, verbose=False, recommendation_file=False))
     trainer = pl.Trainer(
-        max_epochs=epochs, callbacks=callbacks, logger=False, accelerator="cpu", devices=1,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=False,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
     )
     data = data_cls(batches * 4, batch_size=4) if data_cls is TunableData else data_cls(batches * 4)
     trainer.fit(Tiny(), datamodule=data)
@@ -121,8 +128,15 @@ def main(argv=None):
     rows = []
     for loader in ("plain DataLoader", "TunableDataModule"):
         bare, tuned = median[f"bare ({loader})"], median[f"DataLoaderTuner ({loader})"]
-        rows.append({"loader": loader, "bare_us": bare * 1e6, "with_tuner_us": tuned * 1e6,
-                     "overhead_us": (tuned - bare) * 1e6, "overhead_share": (tuned - bare) / bare})
+        rows.append(
+            {
+                "loader": loader,
+                "bare_us": bare * 1e6,
+                "with_tuner_us": tuned * 1e6,
+                "overhead_us": (tuned - bare) * 1e6,
+                "overhead_share": (tuned - bare) / bare,
+            }
+        )
     # the instrumented loader against a plain one, both without the callback: the cost of owning the loader
     loader_cost = median["bare (TunableDataModule)"] - median["bare (plain DataLoader)"]
     dispatch = median["empty Callback (plain DataLoader)"] - median["bare (plain DataLoader)"]
@@ -130,15 +144,30 @@ def main(argv=None):
     print("| loader | bare µs/batch | with DataLoaderTuner µs/batch | overhead µs/batch | overhead |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['loader']} | {r['bare_us']:.1f} | {r['with_tuner_us']:.1f} | {r['overhead_us']:+.2f} | {r['overhead_share']:+.2%} |")
-    print(f"Lightning's dispatch of one more (empty) Callback: {dispatch * 1e6:+.2f} µs/batch; "
-          f"DataLoaderTuner's own hooks beyond it: {(median['DataLoaderTuner (plain DataLoader)'] - median['empty Callback (plain DataLoader)']) * 1e6:+.2f} µs/batch")
+        print(
+            f"| {r['loader']} | {r['bare_us']:.1f} | {r['with_tuner_us']:.1f} | {r['overhead_us']:+.2f}"
+            f" | {r['overhead_share']:+.2%} |"
+        )
+    own = median["DataLoaderTuner (plain DataLoader)"] - median["empty Callback (plain DataLoader)"]
+    print(
+        f"Lightning's dispatch of one more (empty) Callback: {dispatch * 1e6:+.2f} µs/batch; "
+        f"DataLoaderTuner's own hooks beyond it: {own * 1e6:+.2f} µs/batch"
+    )
     print(f"instrumented loader without the callback vs plain DataLoader: {loader_cost * 1e6:+.2f} µs/batch")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batches": args.batches, "rounds": args.rounds, "rows": rows,
-                       "loader_cost_us": loader_cost * 1e6, "empty_callback_us": dispatch * 1e6,
-                       "raw_s": times}, f, indent=2)
+            json.dump(
+                {
+                    "batches": args.batches,
+                    "rounds": args.rounds,
+                    "rows": rows,
+                    "loader_cost_us": loader_cost * 1e6,
+                    "empty_callback_us": dispatch * 1e6,
+                    "raw_s": times,
+                },
+                f,
+                indent=2,
+            )
     return rows
 
 

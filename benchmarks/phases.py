@@ -20,7 +20,6 @@ import time
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
-
 from workloads import HOG_MARK
 
 BAND_SPAN = 20
@@ -114,16 +113,17 @@ def _waits_and_steps(clock: BatchClock) -> tuple[list[float], list[float]]:
     return waits, steps
 
 
-def band_reached(waits: list[float], steps: list[float], low: float, first: int = 0,
-                 span: int = BAND_SPAN) -> Optional[int]:
+def band_reached(
+    waits: list[float], steps: list[float], low: float, first: int = 0, span: int = BAND_SPAN
+) -> Optional[int]:
     """The batch by which the fit first ran ``span`` batches in a row at utilization >= ``low``, from ``first`` on.
 
     Utilization over batches ``[b, b + span)`` is Σ step / Σ (wait + step); the answer is ``b + span``
     (batches from the start of the fit), ``None`` where that never happened.
     """
     for b in range(first, len(steps) - span + 1):
-        busy = sum(steps[b:b + span])
-        if busy / (busy + sum(waits[b:b + span])) >= low:
+        busy = sum(steps[b : b + span])
+        if busy / (busy + sum(waits[b : b + span])) >= low:
             return b + span
     return None
 
@@ -153,8 +153,8 @@ def clock_summary(clock: BatchClock, fit_end: float, phase_start: int, low: floa
     after = band_reached(waits, steps, low, first=phase_start) if 0 < phase_start < len(steps) else None
     blocks = []
     for b in range(0, len(steps), UTIL_BLOCK):
-        busy = sum(steps[b:b + UTIL_BLOCK])
-        blocks.append(busy / (busy + sum(waits[b:b + UTIL_BLOCK])))
+        busy = sum(steps[b : b + UTIL_BLOCK])
+        blocks.append(busy / (busy + sum(waits[b : b + UTIL_BLOCK])))
     return {
         "phase_s": fit_end - phase_from,
         "band_reached_batch": band_reached(waits, steps, low),

@@ -17,8 +17,15 @@ TARGET_IO_SPEEDUP = 3.0
 TARGET_MEMORY_RATIO = 1.15
 
 
-def _check(target: str, workload: str, start: str, value: Optional[float], threshold: float,
-           at_least: bool = False, **notes: Any) -> dict[str, Any]:
+def _check(
+    target: str,
+    workload: str,
+    start: str,
+    value: Optional[float],
+    threshold: float,
+    at_least: bool = False,
+    **notes: Any,
+) -> dict[str, Any]:
     """One target's record: met, and by how much it was missed (a fraction of the threshold)."""
     if value is None:
         met, miss_by = False, None
@@ -26,8 +33,16 @@ def _check(target: str, workload: str, start: str, value: Optional[float], thres
         met, miss_by = value >= threshold, max(0.0, 1.0 - value / threshold)
     else:
         met, miss_by = value <= threshold, max(0.0, value / threshold - 1.0)
-    return {"target": target, "workload": workload, "start": start, "value": value, "threshold": threshold,
-            "met": met, "miss_by": miss_by, **notes}
+    return {
+        "target": target,
+        "workload": workload,
+        "start": start,
+        "value": value,
+        "threshold": threshold,
+        "met": met,
+        "miss_by": miss_by,
+        **notes,
+    }
 
 
 def evaluate_targets(workloads: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -36,22 +51,51 @@ def evaluate_targets(workloads: dict[str, dict[str, Any]]) -> list[dict[str, Any
     for name, w in workloads.items():
         for start in ("from_default", "from_bad"):
             t = w["tuned"].get(start, {})
-            targets.append(_check(f"tuned/oracle fit time <= {TARGET_TIME_RATIO:.2f}", name, start,
-                                  t.get("tuned_over_oracle_time"), TARGET_TIME_RATIO,
-                                  judged=w.get("judged", "the whole fit")))
+            targets.append(
+                _check(
+                    f"tuned/oracle fit time <= {TARGET_TIME_RATIO:.2f}",
+                    name,
+                    start,
+                    t.get("tuned_over_oracle_time"),
+                    TARGET_TIME_RATIO,
+                    judged=w.get("judged", "the whole fit"),
+                )
+            )
             if w.get("epochs") == 1:
-                targets.append(_check(f"single epoch: in band within the first {TARGET_BAND_FRACTION:.0%}", name,
-                                      start, t.get("band_reached_fraction"), TARGET_BAND_FRACTION,
-                                      band_reached_after_change=t.get("band_reached_after_change")))
+                targets.append(
+                    _check(
+                        f"single epoch: in band within the first {TARGET_BAND_FRACTION:.0%}",
+                        name,
+                        start,
+                        t.get("band_reached_fraction"),
+                        TARGET_BAND_FRACTION,
+                        band_reached_after_change=t.get("band_reached_after_change"),
+                    )
+                )
         for start in ("from_default", "from_bad"):
             t = w["tuned"].get(start, {})
-            targets.append(_check(f"tuned peak memory <= {TARGET_MEMORY_RATIO:.2f} x oracle's", name, start,
-                                  t.get("peak_memory_over_oracle"), TARGET_MEMORY_RATIO,
-                                  steady_value=t.get("steady_peak_memory_over_oracle")))
+            targets.append(
+                _check(
+                    f"tuned peak memory <= {TARGET_MEMORY_RATIO:.2f} x oracle's",
+                    name,
+                    start,
+                    t.get("peak_memory_over_oracle"),
+                    TARGET_MEMORY_RATIO,
+                    steady_value=t.get("steady_peak_memory_over_oracle"),
+                )
+            )
     if "io-bound" in workloads:
         for start in ("from_default", "from_bad"):
             t = workloads["io-bound"]["tuned"].get(start, {})
-            targets.append(_check(f"I/O-bound: tuned samples/s >= {TARGET_IO_SPEEDUP:.0f}x default's", "io-bound",
-                                  start, t.get("tuned_over_default_steady_samples_per_s"), TARGET_IO_SPEEDUP,
-                                  at_least=True, whole_fit_value=t.get("default_over_tuned_time")))
+            targets.append(
+                _check(
+                    f"I/O-bound: tuned samples/s >= {TARGET_IO_SPEEDUP:.0f}x default's",
+                    "io-bound",
+                    start,
+                    t.get("tuned_over_default_steady_samples_per_s"),
+                    TARGET_IO_SPEEDUP,
+                    at_least=True,
+                    whole_fit_value=t.get("default_over_tuned_time"),
+                )
+            )
     return targets

@@ -59,7 +59,6 @@ def tree_memory(pid: int) -> Optional[dict[str, float]]:
     by DataLoader workers live there, in no process's PSS until the training process receives them.
     """
     import psutil
-
     from workloads import HOG_MARK
 
     try:

@@ -61,11 +61,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     from workloads import WORKLOADS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="io-bound and step-bound, 3 epochs, half-length epochs, grid 0/2/4 workers x prefetch 2")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the quickest check that the harness works: step-bound only, 2 epochs of 8 batches, "
-                             "grid 0/2 workers x prefetch 2 (~30 s; numbers mean little)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="io-bound and step-bound, 3 epochs, half-length epochs, grid 0/2/4 workers x prefetch 2",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the quickest check that the harness works: step-bound only, 2 epochs of 8 batches, "
+        "grid 0/2 workers x prefetch 2 (~30 s; numbers mean little)",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for tuning.json/.md/.png")
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), help="which workloads (default: all)")
     parser.add_argument("--epochs", type=int, help="epochs per strategy (default 8; quick 3)")
@@ -77,8 +83,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the run order and of the fits")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds before a fit is killed")
     parser.add_argument("--log-dir", help="where child logs go (default: a fresh temporary folder)")
-    parser.add_argument("--render", metavar="JSON",
-                        help="only re-render tuning.md/.png (and the target checks) from an existing tuning.json")
+    parser.add_argument(
+        "--render",
+        metavar="JSON",
+        help="only re-render tuning.md/.png (and the target checks) from an existing tuning.json",
+    )
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -120,8 +129,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     rng = random.Random(args.seed)
     machine = machine_info()
     rule_workers = rule_of_thumb_workers()
-    print(f"lightning-dltune tuning benchmark ({'quick' if args.quick else 'full'}): {args.workloads}, "
-          f"{args.epochs} epochs (a one-epoch workload: 1); child logs in {log_dir}", flush=True)
+    print(
+        f"lightning-dltune tuning benchmark ({'quick' if args.quick else 'full'}): {args.workloads}, "
+        f"{args.epochs} epochs (a one-epoch workload: 1); child logs in {log_dir}",
+        flush=True,
+    )
     meta = _run_meta(args, argv, machine, rule_workers)
     results: dict[str, Any] = {"meta": meta, "workloads": {}, "targets": []}
     for index, name in enumerate(args.workloads):
@@ -150,13 +162,17 @@ def _render(path: str, out: str) -> dict[str, Any]:
     return results
 
 
-def _run_meta(args: argparse.Namespace, argv: Optional[list[str]], machine: dict[str, Any],
-              rule_workers: int) -> dict[str, Any]:
+def _run_meta(
+    args: argparse.Namespace, argv: Optional[list[str]], machine: dict[str, Any], rule_workers: int
+) -> dict[str, Any]:
     """The run's meta as it starts: mode, command line, machine, protocol, seed, start time."""
     command = "python benchmarks/tuning.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
     return {
-        "mode": "smoke" if args.smoke else "quick" if args.quick else ("full" if not any((args.train_batches, args.grid_workers, args.grid_prefetch))
-                                             else "custom"),
+        "mode": "smoke"
+        if args.smoke
+        else "quick"
+        if args.quick
+        else ("full" if not any((args.train_batches, args.grid_workers, args.grid_prefetch)) else "custom"),
         "command": command.strip(),
         "machine": machine,
         "epochs": args.epochs,

@@ -11,8 +11,13 @@ from phases import UTIL_BLOCK
 from strategies import BAND, STRATEGIES, config_text
 from targets import TARGET_TIME_RATIO
 
-STYLES = {"default": ("tab:gray", "o", "-"), "rule": ("tab:brown", "s", "-"), "oracle": ("black", "D", "--"),
-          "tuned_default": ("tab:blue", "^", "-"), "tuned_bad": ("tab:red", "v", "-")}  # (color, marker, line)
+STYLES = {
+    "default": ("tab:gray", "o", "-"),
+    "rule": ("tab:brown", "s", "-"),
+    "oracle": ("black", "D", "--"),
+    "tuned_default": ("tab:blue", "^", "-"),
+    "tuned_bad": ("tab:red", "v", "-"),
+}  # (color, marker, line)
 
 
 def write_plot(results: dict[str, Any], path: str) -> None:
@@ -33,8 +38,11 @@ def write_plot(results: dict[str, Any], path: str) -> None:
     for extra in list(axes.flat)[panels:]:
         extra.axis("off")
     meta = results["meta"]
-    fig.suptitle(f"lightning-dltune tuning benchmark ({meta['mode']}): samples/s per epoch, "
-                 f"{meta['machine']['usable_cpus']:g} CPUs, accelerator step emulated by a sleep", fontsize=11)
+    fig.suptitle(
+        f"lightning-dltune tuning benchmark ({meta['mode']}): samples/s per epoch, "
+        f"{meta['machine']['usable_cpus']:g} CPUs, accelerator step emulated by a sleep",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -70,7 +70,7 @@ def _header_lines(meta: dict[str, Any]) -> list[str]:
         "- **Memory** = peak over the fit of the whole process tree (training process + loader workers): "
         "Σ PSS without shared-memory pages, plus every `/dev/shm` object the tree holds (prefetched batches in "
         f"flight), each once; sampled every >= 50 ms (mean {meta['sampler_interval_ms']:.0f} ms). "
-        "\"steady\" = the peak over the last two epochs.",
+        '"steady" = the peak over the last two epochs.',
         "- **samples/s** per epoch = the tuner's measurement: training samples / (fetch wait + step time), "
         "without loader start-up and validation; **fit time** = wall time of `trainer.fit` in the child.",
         "",
@@ -79,16 +79,13 @@ def _header_lines(meta: dict[str, Any]) -> list[str]:
 
 def _target_lines(targets: list[dict[str, Any]]) -> list[str]:
     """The table of every target check, and how many were met."""
-    lines = [
-        "## Targets",
-        "",
-        "| target | workload | start | value | met | note |",
-        "|---|---|---|---:|:---:|---|",
-    ]
+    lines = ["## Targets", "", "| target | workload | start | value | met | note |", "|---|---|---|---:|:---:|---|"]
     for t in targets:
         value = num_text(t["value"])
-        lines.append(f"| {t['target']} | {t['workload']} | {t['start'].replace('_', ' ')} | {value} | "
-                     f"{'yes' if t['met'] else '**no**'} | {_target_note(t)} |")
+        lines.append(
+            f"| {t['target']} | {t['workload']} | {t['start'].replace('_', ' ')} | {value} | "
+            f"{'yes' if t['met'] else '**no**'} | {_target_note(t)} |"
+        )
     met = sum(t["met"] for t in targets)
     return lines + ["", f"{met} of {len(targets)} target checks met.", ""]
 
@@ -111,12 +108,18 @@ def _target_note(t: dict[str, Any]) -> str:
 
 def _workload_lines(name: str, w: dict[str, Any], targets: list[dict[str, Any]]) -> list[str]:
     """One workload's section: what it is, its oracle, the strategies' table, its phase, its grid, its misses."""
-    lines = [f"## {name}: {w['summary']}", "", f"Cost: {w['cost']}. Batch {w['batch_size']} "
-             f"({w['batch_mb']:.2f} MB), {w['train_batches']} training batches per epoch."]
+    lines = [
+        f"## {name}: {w['summary']}",
+        "",
+        f"Cost: {w['cost']}. Batch {w['batch_size']} "
+        f"({w['batch_mb']:.2f} MB), {w['train_batches']} training batches per epoch.",
+    ]
     if w["memory_budget_mb"]:
         frac = w["strategies"]["tuned_default"].get("memory_fraction")
-        lines.append(f"Memory budget for prefetched batches: {w['memory_budget_mb']:.0f} MB, given to the tuner as "
-                     f"`memory_fraction={num_text(frac, '{:.4f}')}` of available RAM.")
+        lines.append(
+            f"Memory budget for prefetched batches: {w['memory_budget_mb']:.0f} MB, given to the tuner as "
+            f"`memory_fraction={num_text(frac, '{:.4f}')}` of available RAM."
+        )
     lines += [_measured_cost(w), f"Oracle: **{config_text(w['oracle_config'])}** ({w['oracle_rule']}).", ""]
     lines += _strategy_table(w)
     lines += _phase_lines(w)
@@ -163,8 +166,10 @@ def _tuned_run_lines(workloads: dict[str, Any]) -> list[str]:
                 for x in s["windows"]:
                     at = "epoch end" if x["end_batch"] is None else f"batch {x['end_batch']}"
                     c = x["config"]
-                    lines.append(f"  - window to {at}: {c[0]}w x {c[1]}, util {x['utilization']:.0%}, {x['verdict']}: "
-                                 f"{x['reason']}")
+                    lines.append(
+                        f"  - window to {at}: {c[0]}w x {c[1]}, util {x['utilization']:.0%}, {x['verdict']}: "
+                        f"{x['reason']}"
+                    )
                 continue
             for i, (c, u, v, reason) in enumerate(zip(s["configs"], s["utilization"], s["verdicts"], s["reasons"])):
                 lines.append(f"  - epoch {i}: {c[0]}w x {c[1]}, util {u:.0%}, {v}: {reason}")
@@ -189,33 +194,43 @@ def _phase_lines(w: dict[str, Any]) -> list[str]:
     """For workloads whose conditions change: the judged phase, the band from the batch clocks, the hog."""
     if not w.get("phase_start") and w.get("epochs") != 1 and w.get("hog_epoch") is None:
         return []
-    lines = ["", f"Judged on {w.get('judged', 'the whole fit')}. In band = {BAND_SPAN} batches in a row at utilization "
-             f">= {BAND[0]:.2f} by the fit's own batch clocks (wait = since the previous batch ended or the epoch "
-             "started; step = batch start to end).", "",
-             "| strategy | phase time (s) | tuned/oracle phase time | in band by batch | after the change, in band by | "
-             "configs, window by window |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "",
+        f"Judged on {w.get('judged', 'the whole fit')}. In band = {BAND_SPAN} batches in a row at utilization "
+        f">= {BAND[0]:.2f} by the fit's own batch clocks (wait = since the previous batch ended or the epoch "
+        "started; step = batch start to end).",
+        "",
+        "| strategy | phase time (s) | tuned/oracle phase time | in band by batch | after the change, in band by | "
+        "configs, window by window |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     oracle = w["strategies"]["oracle"]
     for key in STRATEGIES:
         s = w["strategies"][key]
         if "error" in s:
             continue
         phase_ratio = ratio(s.get("phase_s"), oracle.get("phase_s")) if w.get("phase_start") else None
-        lines.append(f"| {s['label']} | {num_text(s.get('phase_s'), '{:.1f}')} | {num_text(phase_ratio)} | "
-                     f"{num_text(s.get('band_reached_batch'), '{:d}')} | {num_text(s.get('band_reached_after_change'), '{:d}')} | "
-                     f"{_trail(s) if s['tuned'] else ''} |")
+        lines.append(
+            f"| {s['label']} | {num_text(s.get('phase_s'), '{:.1f}')} | {num_text(phase_ratio)} | "
+            f"{num_text(s.get('band_reached_batch'), '{:d}')} | "
+            f"{num_text(s.get('band_reached_after_change'), '{:d}')} | "
+            f"{_trail(s) if s['tuned'] else ''} |"
+        )
     if w.get("hog_epoch") is not None:
         for start in ("from_default", "from_bad"):
             t = w["tuned"].get(start, {})
             if "config_before_hog" in t:
-                lines.append(f"\nTuned {start.replace('_', ' ')}: {config_text(t['config_before_hog'])} into the hog's epoch "
-                             f"{w['hog_epoch']}, {config_text(t['config_after_hog'])} at the end (hog ran "
-                             f"{num_text(t.get('hog_s'), '{:.1f}')} s).")
+                lines.append(
+                    f"\nTuned {start.replace('_', ' ')}: {config_text(t['config_before_hog'])} into the hog's epoch "
+                    f"{w['hog_epoch']}, {config_text(t['config_after_hog'])} at the end (hog ran "
+                    f"{num_text(t.get('hog_s'), '{:.1f}')} s)."
+                )
     return lines
 
 
 def _measured_cost(w: dict[str, Any]) -> str:
     """The data cost as the tuner measured it, next to the stated one."""
+
     def median_ms(key: str) -> Optional[float]:
         values = [v for v in w["strategies"][key].get("worker_batch_ms", []) if v]
         return statistics.median(values) if values else None
@@ -232,11 +247,17 @@ def _grid_table(w: dict[str, Any]) -> str:
     workers = sorted({g["num_workers"] for g in w["grid"]})
     by = {(g["num_workers"], g["prefetch_factor"]): g for g in w["grid"]}
     oracle = (w["oracle_config"]["num_workers"], w["oracle_config"]["prefetch_factor"])
-    head = (f"Oracle grid: fit time carried to {w['epochs']} epochs, s (steady samples/s, peak MB over the "
-            f"point's own {w['grid_epochs']} epochs); **bold** = oracle, ~~struck~~ = prefetched batches over the "
-            "memory budget, * = the full default/rule run.")
-    rows = [head, "", "| workers \\ prefetch | " + " | ".join(str(p) for p in prefetch) + " |",
-            "|---|" + "---:|" * len(prefetch)]
+    head = (
+        f"Oracle grid: fit time carried to {w['epochs']} epochs, s (steady samples/s, peak MB over the "
+        f"point's own {w['grid_epochs']} epochs); **bold** = oracle, ~~struck~~ = prefetched batches over the "
+        "memory budget, * = the full default/rule run."
+    )
+    rows = [
+        head,
+        "",
+        "| workers \\ prefetch | " + " | ".join(str(p) for p in prefetch) + " |",
+        "|---|" + "---:|" * len(prefetch),
+    ]
     for wk in workers:
         cells = []
         for p in prefetch:
@@ -247,8 +268,10 @@ def _grid_table(w: dict[str, Any]) -> str:
             if g["projected_fit_s"] is None:
                 cells.append("failed")
                 continue
-            text = (f"{g['projected_fit_s']:.1f}{'*' if g['source'] != 'grid' else ''} "
-                    f"({num_text(g['steady_samples_per_s'], '{:.0f}')}, {num_text(g['peak_memory_mb'], '{:.0f}')})")
+            text = (
+                f"{g['projected_fit_s']:.1f}{'*' if g['source'] != 'grid' else ''} "
+                f"({num_text(g['steady_samples_per_s'], '{:.0f}')}, {num_text(g['peak_memory_mb'], '{:.0f}')})"
+            )
             if (wk, g["prefetch_factor"]) == oracle:
                 text = f"**{text}**"
             if not g["within_budget"]:
@@ -268,14 +291,19 @@ def _misses(name: str, w: dict[str, Any], targets: list[dict[str, Any]]) -> list
         s, o = w["strategies"][key], w["strategies"]["oracle"]
         if t["target"].startswith("tuned/oracle") and w.get("phase_start"):
             tt = w["tuned"][t["start"]]
-            out.append(f"- Missed: {t['target']} ({t['start'].replace('_', ' ')}): on {tt['judged']} "
-                       f"{num_text(tt['phase_s'], '{:.1f}')} s vs the phase oracle's {num_text(tt['oracle_phase_s'], '{:.1f}')} s; "
-                       f"configs by window {_trail(s)}, after the change in band by "
-                       f"{num_text(tt.get('band_reached_after_change'), '{:d}')} batches.")
+            out.append(
+                f"- Missed: {t['target']} ({t['start'].replace('_', ' ')}): on {tt['judged']} "
+                f"{num_text(tt['phase_s'], '{:.1f}')} s vs the phase oracle's "
+                f"{num_text(tt['oracle_phase_s'], '{:.1f}')} s; "
+                f"configs by window {_trail(s)}, after the change in band by "
+                f"{num_text(tt.get('band_reached_after_change'), '{:d}')} batches."
+            )
             continue
         if t["target"].startswith("single epoch"):
-            out.append(f"- Missed: {t['target']} ({t['start'].replace('_', ' ')}): in band by batch "
-                       f"{num_text(s.get('band_reached_batch'), '{:d}')} of {w['train_batches']}.")
+            out.append(
+                f"- Missed: {t['target']} ({t['start'].replace('_', ' ')}): in band by batch "
+                f"{num_text(s.get('band_reached_batch'), '{:d}')} of {w['train_batches']}."
+            )
             continue
         if t["target"].startswith("tuned/oracle"):
             x = w["tuned"][t["start"]].get("excess") or {}
@@ -286,17 +314,25 @@ def _misses(name: str, w: dict[str, Any], targets: list[dict[str, Any]]) -> list
                 f"+{x['total_s']:.1f} s. " + _excess_text(x, s, o) + " " + _excess_hint(x)
             )
         elif "memory" in t["target"]:
-            when = ("at the end of the fit" if s["peak_memory_epoch"] is None
-                    else f"in epoch {s['peak_memory_epoch']} (at {config_text(config_dict(s['configs'][s['peak_memory_epoch']]))})")
+            when = (
+                "at the end of the fit"
+                if s["peak_memory_epoch"] is None
+                else f"in epoch {s['peak_memory_epoch']} "
+                f"(at {config_text(config_dict(s['configs'][s['peak_memory_epoch']]))})"
+            )
             steady = ratio(s["steady_peak_memory_mb"], o["steady_peak_memory_mb"])
             out.append(
                 f"- Missed: {t['target']} ({t['start'].replace('_', ' ')}): peak {s['peak_memory_mb']:.0f} MB {when}, "
                 f"up to {s['peak_procs']} processes seen, vs the oracle's {o['peak_memory_mb']:.0f} MB at "
-                f"{config_text(o['start_config'])}; over the last two epochs {num_text(s['steady_peak_memory_mb'], '{:.0f}')} MB "
+                f"{config_text(o['start_config'])}; over the last two epochs "
+                f"{num_text(s['steady_peak_memory_mb'], '{:.0f}')} MB "
                 f"vs {num_text(o['steady_peak_memory_mb'], '{:.0f}')} MB ({num_text(steady)}x)."
-                + (" Mostly the start config's workers: the steady ratio is within the target."
-                   if steady is not None and steady <= TARGET_MEMORY_RATIO else
-                   f" The tuner settled at {config_text(s['final_config'])}: more workers (or deeper prefetch) than the oracle.")
+                + (
+                    " Mostly the start config's workers: the steady ratio is within the target."
+                    if steady is not None and steady <= TARGET_MEMORY_RATIO
+                    else f" The tuner settled at {config_text(s['final_config'])}: more workers (or deeper prefetch)"
+                    " than the oracle."
+                )
             )
         else:
             out.append(f"- Missed: {t['target']} ({t['start'].replace('_', ' ')}): {t['value']:.2f}x.")
@@ -311,16 +347,22 @@ def _excess_text(x: dict[str, Any], tuned: dict[str, Any], oracle: dict[str, Any
     if settled > 1:
         span = "epoch 1" if settled == 2 else f"epochs 1-{settled - 1}"
         parts.append(f"{span} while the config changed {x['retuning_s']:+.1f} s")
-    parts.append(f"epochs {settled}-{len(tuned['configs']) - 1} at {config_text(tuned['final_config'])} "
-                 f"(oracle {config_text(oracle['start_config'])}) {x['settled_s']:+.1f} s")
+    parts.append(
+        f"epochs {settled}-{len(tuned['configs']) - 1} at {config_text(tuned['final_config'])} "
+        f"(oracle {config_text(oracle['start_config'])}) {x['settled_s']:+.1f} s"
+    )
     parts.append(f"set-up and tear-down outside epochs {x['outside_epochs_s']:+.1f} s")
     return "; ".join(parts) + "."
 
 
 def _excess_hint(x: dict[str, Any]) -> str:
     """Which part of the excess dominates, in a sentence."""
-    parts = {"epoch0_s": x["epoch0_s"], "retuning_s": x["retuning_s"], "settled_s": x["settled_s"],
-             "outside_epochs_s": x["outside_epochs_s"]}
+    parts = {
+        "epoch0_s": x["epoch0_s"],
+        "retuning_s": x["retuning_s"],
+        "settled_s": x["settled_s"],
+        "outside_epochs_s": x["outside_epochs_s"],
+    }
     top = max(parts, key=parts.get)
     if parts[top] <= 0:
         return ""

@@ -18,8 +18,9 @@ from oracle import batch_bytes_of, grid_rows, oracle_rule, pick_oracle
 from strategies import BAD_START, MB, STRATEGIES, grid_config
 
 
-def run_workload(workload, index: int, args: argparse.Namespace, rule_workers: int, log_dir: str,
-                 rng: random.Random) -> dict[str, Any]:
+def run_workload(
+    workload, index: int, args: argparse.Namespace, rule_workers: int, log_dir: str, rng: random.Random
+) -> dict[str, Any]:
     """Runs every strategy and grid point of ``workload``; the runs, the grid and the oracle, unanalysed."""
     from workloads import prepare
 
@@ -79,18 +80,30 @@ class _Launcher:
     def spec(self, label: str, w: int, p: int, tune: bool, n_epochs: int) -> dict[str, Any]:
         """What the child runs (``tuning.py --run-one``)."""
         workload = self.workload
-        return {"workload": workload.name, "label": label, "num_workers": w, "prefetch_factor": p, "tune": tune,
-                "epochs": n_epochs, "train_batches": workload.train_batches, "seed": self.args.seed,
-                # a phased workload's grid runs the judged phase alone: its oracle is that phase's
-                "slowed_throughout": label == "grid" and workload.phased,
-                "run_id": next(self.run_counter)}
+        return {
+            "workload": workload.name,
+            "label": label,
+            "num_workers": w,
+            "prefetch_factor": p,
+            "tune": tune,
+            "epochs": n_epochs,
+            "train_batches": workload.train_batches,
+            "seed": self.args.seed,
+            # a phased workload's grid runs the judged phase alone: its oracle is that phase's
+            "slowed_throughout": label == "grid" and workload.phased,
+            "run_id": next(self.run_counter),
+        }
 
     def run(self, label: str, w: int, p: int, tune: bool, n_epochs: int) -> dict[str, Any]:
         """One fit in a child process, its fit time and peak memory printed."""
         s = self.spec(label, w, p, tune, n_epochs)
         tag = "tuned" if s["tune"] else "static"
-        print(f"  [{self.workload.name}] {label:<14} {tag} start {s['num_workers']}x{s['prefetch_factor']}, "
-              f"{s['epochs']} epochs ...", end="", flush=True)
+        print(
+            f"  [{self.workload.name}] {label:<14} {tag} start {s['num_workers']}x{s['prefetch_factor']}, "
+            f"{s['epochs']} epochs ...",
+            end="",
+            flush=True,
+        )
         r = launch(s, self.log_dir, self.args.run_timeout)
         fit = f"{r['fit_s']:.1f}s" if "fit_s" in r else "failed"
         peak = r["memory"].get("peak_mb")
@@ -98,9 +111,15 @@ class _Launcher:
         return r
 
 
-def _run_static_and_grid(launcher: _Launcher, starts: dict[str, tuple[int, int, bool]],
-                         grid_configs: list[tuple[int, int]], runs: dict[str, list[dict[str, Any]]], epochs: int,
-                         grid_epochs: int, rng: random.Random) -> dict[tuple[int, int], dict[str, Any]]:
+def _run_static_and_grid(
+    launcher: _Launcher,
+    starts: dict[str, tuple[int, int, bool]],
+    grid_configs: list[tuple[int, int]],
+    runs: dict[str, list[dict[str, Any]]],
+    epochs: int,
+    grid_epochs: int,
+    rng: random.Random,
+) -> dict[tuple[int, int], dict[str, Any]]:
     """Phase 1: the static strategies that are also grid points, and the rest of the grid, shuffled.
 
     Appends the ``default`` and ``rule`` runs to ``runs``; returns the grid's runs by config.
@@ -131,13 +150,18 @@ def _oracle_config(name: str, grid: list[dict[str, Any]]) -> dict[str, int]:
     if oracle is None:
         oracle = {"num_workers": 0, "prefetch_factor": 2}
         print(f"  [{name}] no grid point finished: the oracle falls back to 0 workers", flush=True)
-    print(f"  [{name}] oracle: {oracle['num_workers']} workers x prefetch {oracle['prefetch_factor']}",
-          flush=True)
+    print(f"  [{name}] oracle: {oracle['num_workers']} workers x prefetch {oracle['prefetch_factor']}", flush=True)
     return {"num_workers": oracle["num_workers"], "prefetch_factor": oracle["prefetch_factor"]}
 
 
-def _run_oracle_and_tuned(launcher: _Launcher, starts: dict[str, tuple[int, int, bool]],
-                          runs: dict[str, list[dict[str, Any]]], epochs: int, index: int, repeats: int) -> None:
+def _run_oracle_and_tuned(
+    launcher: _Launcher,
+    starts: dict[str, tuple[int, int, bool]],
+    runs: dict[str, list[dict[str, Any]]],
+    epochs: int,
+    index: int,
+    repeats: int,
+) -> None:
     """Phase 2: the oracle and both tuned starts, rotated per workload and repeat (plus static repeats)."""
     for repeat in range(repeats):
         order = ["oracle", "tuned_default", "tuned_bad"] + (["default", "rule"] if repeat else [])

@@ -10,7 +10,8 @@ a sleep is exactly that). Each workload's data side costs something known per sa
   before the step is fed.
 - ``step-bound``: in-memory tensors, well under 1 ms a batch against a 20 ms step: workers cannot help.
 - ``memory-heavy``: 768 KB samples (12 MB a batch) with 3.75 ms of latency per sample (60 ms a
-  batch, ~78 ms with filling and collating 12 MB; about 4 workers needed) and a stated memory budget of 256 MB for prefetched batches, so a
+  batch, ~78 ms with filling and collating 12 MB; about 4 workers needed) and a stated memory budget of 256 MB for
+  prefetched batches, so a
   deep prefetch (8 workers x 4 = 32 batches = 384 MB) would break it.
 - ``bursty``: 8 ms a batch, but every 10th batch takes 10x (80 ms): on average one worker keeps up
   with the 20 ms step, yet the slow batch starves the loop unless enough batches are prefetched.
@@ -109,7 +110,7 @@ class Workload:
     hog_epoch: Optional[int] = None
     full_grid_epochs: bool = False
 
-    def scaled(self, train_batches: int) -> "Workload":
+    def scaled(self, train_batches: int) -> Workload:
         """The same workload with ``train_batches`` batches per epoch (quick mode)."""
         return replace(self, train_batches=train_batches)
 
@@ -131,7 +132,7 @@ class Workload:
             return self.slow_from_epoch * self.train_batches
         return self.slow_from_batch or 0
 
-    def slowed_throughout(self) -> "Workload":
+    def slowed_throughout(self) -> Workload:
         """The judged phase alone: the slow cost from the first batch on (what the phase's oracle is picked on).
 
         A one-epoch drift keeps only its slow batches; an epoch-boundary slowdown is slow from epoch 0.
@@ -172,8 +173,10 @@ WORKLOADS: dict[str, Workload] = {
         Workload(
             name="cpu-bound",
             summary="real JPEG decode + augment: the cores saturate",
-            cost=(f"decode {JPEG_IMAGE_SIZE}px JPEG, random resized crop to {JPEG_CROP_SIZE}px, flip, normalise:"
-                  " ~1.2 ms CPU per sample x 32 = ~40 ms CPU per batch on one core; step 20 ms"),
+            cost=(
+                f"decode {JPEG_IMAGE_SIZE}px JPEG, random resized crop to {JPEG_CROP_SIZE}px, flip, normalise:"
+                " ~1.2 ms CPU per sample x 32 = ~40 ms CPU per batch on one core; step 20 ms"
+            ),
             kind="jpeg",
             batch_size=32,
             train_batches=40,
@@ -212,8 +215,10 @@ WORKLOADS: dict[str, Workload] = {
         Workload(
             name="drift-epoch",
             summary="one long epoch whose storage gets 3x slower half-way",
-            cost=("1.25 ms latency per sample x 32 = 40 ms per batch, x3 (120 ms) from batch 450 of 900; one epoch;"
-                  " step 20 ms"),
+            cost=(
+                "1.25 ms latency per sample x 32 = 40 ms per batch, x3 (120 ms) from batch 450 of 900; one epoch;"
+                " step 20 ms"
+            ),
             kind="latency",
             batch_size=32,
             train_batches=900,
@@ -239,8 +244,10 @@ WORKLOADS: dict[str, Workload] = {
         Workload(
             name="noisy-neighbour",
             summary="the JPEG pipeline while a CPU hog runs during epoch 3",
-            cost=("decode + augment as cpu-bound (~40 ms CPU per batch); one busy-looping process during epoch 3;"
-                  " step 20 ms"),
+            cost=(
+                "decode + augment as cpu-bound (~40 ms CPU per batch); one busy-looping process during epoch 3;"
+                " step 20 ms"
+            ),
             kind="jpeg",
             batch_size=32,
             train_batches=60,  # ~3-4 s an epoch: the hog's epoch weighs in the fit
@@ -269,9 +276,17 @@ class LatencyDataset(Dataset):
     (read per sample: the workers' copy of the dataset cannot see the training process's attributes).
     """
 
-    def __init__(self, length: int, shape: tuple[int, ...], sample_latency_s: float = 0.0, *,
-                 slow_factor: float = 1.0, slow_from_index: Optional[int] = None,
-                 slow_from_epoch: Optional[int] = None, epoch_file: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        length: int,
+        shape: tuple[int, ...],
+        sample_latency_s: float = 0.0,
+        *,
+        slow_factor: float = 1.0,
+        slow_from_index: Optional[int] = None,
+        slow_from_epoch: Optional[int] = None,
+        epoch_file: Optional[str] = None,
+    ) -> None:
         self.length = length
         self.shape = tuple(shape)
         self.sample_latency_s = sample_latency_s
@@ -307,14 +322,16 @@ def current_epoch(epoch_file: Optional[str]) -> int:
 
 
 class BurstyDataset(Dataset):
-    """Batches cost ``batch_cost_s``, except every ``burst_every``-th batch (by position), which costs ``burst_every`` x.
+    """Batches cost ``batch_cost_s``, except every ``burst_every``-th batch (by position), which costs
+    ``burst_every`` x.
 
     Batch positions come from the first index of the batch (the loader does not shuffle), so the slow
     batches sit at fixed places in every epoch.
     """
 
-    def __init__(self, length: int, shape: tuple[int, ...], batch_size: int, batch_cost_s: float,
-                 burst_every: int) -> None:
+    def __init__(
+        self, length: int, shape: tuple[int, ...], batch_size: int, batch_cost_s: float, burst_every: int
+    ) -> None:
         self.length = length
         self.shape = tuple(shape)
         self.batch_size = batch_size
@@ -361,8 +378,9 @@ def make_dataset(workload: Workload, train: bool) -> Dataset:
     if workload.kind == "bursty":
         if not train:
             return LatencyDataset(length, workload.sample_shape)
-        return BurstyDataset(length, workload.sample_shape, workload.batch_size, workload.batch_cost_ms / 1e3,
-                             workload.burst_every)
+        return BurstyDataset(
+            length, workload.sample_shape, workload.batch_size, workload.batch_cost_ms / 1e3, workload.burst_every
+        )
     if workload.kind == "latency":
         if not train:
             return LatencyDataset(length, workload.sample_shape)
@@ -371,9 +389,13 @@ def make_dataset(workload: Workload, train: bool) -> Dataset:
         if workload.slow_from_epoch is not None and workload.slow_from_epoch > 0 and not epoch_file:
             raise RuntimeError(f"{workload.name} needs ${EPOCH_FILE_ENV}: the file its workers read the epoch from")
         return LatencyDataset(
-            length, workload.sample_shape, workload.sample_latency_ms / 1e3, slow_factor=workload.slow_factor,
+            length,
+            workload.sample_shape,
+            workload.sample_latency_ms / 1e3,
+            slow_factor=workload.slow_factor,
             slow_from_index=None if slow_from is None else slow_from * workload.batch_size,
-            slow_from_epoch=workload.slow_from_epoch, epoch_file=epoch_file,
+            slow_from_epoch=workload.slow_from_epoch,
+            epoch_file=epoch_file,
         )
     raise ValueError(f"unknown workload kind {workload.kind!r}")
 

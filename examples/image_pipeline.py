@@ -103,7 +103,7 @@ def _render(label: int, num_classes: int, size: int, rng: np.random.Generator) -
     # background: a linear gradient between two muted colours at a random angle
     angle = rng.uniform(0, 2 * math.pi)
     ys, xs = np.mgrid[0:size, 0:size].astype(np.float32) / max(1, size - 1)
-    t = (np.cos(angle) * xs + np.sin(angle) * ys)
+    t = np.cos(angle) * xs + np.sin(angle) * ys
     t = (t - t.min()) / max(1e-6, float(t.max() - t.min()))
     c0 = np.array(_hsv_to_rgb(rng.uniform(), rng.uniform(0.1, 0.4), rng.uniform(0.2, 0.6)), np.float32)
     c1 = np.array(_hsv_to_rgb(rng.uniform(), rng.uniform(0.1, 0.4), rng.uniform(0.3, 0.8)), np.float32)
@@ -123,8 +123,10 @@ def _render(label: int, num_classes: int, size: int, rng: np.random.Generator) -
     rot = rng.uniform(0, 2 * math.pi)
 
     def polygon(corners: int, r: float) -> list[tuple[float, float]]:
-        return [(cx + r * math.cos(rot + 2 * math.pi * k / corners), cy + r * math.sin(rot + 2 * math.pi * k / corners))
-                for k in range(corners)]
+        return [
+            (cx + r * math.cos(rot + 2 * math.pi * k / corners), cy + r * math.sin(rot + 2 * math.pi * k / corners))
+            for k in range(corners)
+        ]
 
     if shape == "disc":
         draw.ellipse((cx - radius, cy - radius, cx + radius, cy + radius), fill=colour)
@@ -141,8 +143,12 @@ def _render(label: int, num_classes: int, size: int, rng: np.random.Generator) -
             dx, dy = math.cos(a), math.sin(a)
             px, py = -dy * arm, dx * arm
             draw.polygon(
-                [(cx - dx * radius + px, cy - dy * radius + py), (cx + dx * radius + px, cy + dy * radius + py),
-                 (cx + dx * radius - px, cy + dy * radius - py), (cx - dx * radius - px, cy - dy * radius - py)],
+                [
+                    (cx - dx * radius + px, cy - dy * radius + py),
+                    (cx + dx * radius + px, cy + dy * radius + py),
+                    (cx + dx * radius - px, cy + dy * radius - py),
+                    (cx - dx * radius - px, cy - dy * radius - py),
+                ],
                 fill=colour,
             )
 
@@ -408,7 +414,7 @@ class JpegDataModule(TunableDataModule, L.LightningDataModule):
     def setup(self, stage: str) -> None:
         folder = self._folder()  # reads the marker only, once prepare_data has run
         order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(self.SEED)).tolist()
-        val_idx, train_idx = sorted(order[: self.num_val]), sorted(order[self.num_val:])
+        val_idx, train_idx = sorted(order[: self.num_val]), sorted(order[self.num_val :])
         common = {"crop_size": self.crop_size, "storage_latency_ms": self.storage_latency_ms}
         self.train_dataset = JpegFolderDataset(folder, train_idx, train=True, **common)
         self.val_dataset = JpegFolderDataset(folder, val_idx, train=False, **common) if val_idx else None
@@ -488,8 +494,11 @@ class SmallCNN(L.LightningModule):
 
 
 def _conv_bn_relu(channels_in: int, channels_out: int, stride: int = 1) -> list[nn.Module]:
-    return [nn.Conv2d(channels_in, channels_out, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(channels_out),
-            nn.ReLU(inplace=True)]
+    return [
+        nn.Conv2d(channels_in, channels_out, 3, stride=stride, padding=1, bias=False),
+        nn.BatchNorm2d(channels_out),
+        nn.ReLU(inplace=True),
+    ]
 
 
 # --------------------------------------------------------------------------------- checks

@@ -51,17 +51,31 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=4, help="training epochs (one tuning decision per epoch)")
     parser.add_argument("--log-dir", default=os.path.join("logs", "train_plain"), help="TensorBoard log directory")
-    parser.add_argument("--data-dir", default=None,
-                        help="cache for the generated JPEGs"
-                             " (default: $DLTUNE_CACHE or ~/.cache/lightning-dltune/jpegs)")
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="cache for the generated JPEGs (default: $DLTUNE_CACHE or ~/.cache/lightning-dltune/jpegs)",
+    )
     parser.add_argument("--num-images", type=int, default=2000, help="images in the synthetic dataset")
-    parser.add_argument("--storage-latency-ms", type=float, default=0.0,
-                        help="per-sample sleep emulating network storage (makes the pipeline I/O-bound)")
-    parser.add_argument("--limit-batches", type=_batches, default=None,
-                        help="batches per epoch (int) or fraction of the epoch (float), train and val")
-    parser.add_argument("--emulate-step-ms", type=float, default=None,
-                        help="emulate an accelerator: stretch each training step to this long (ms); default: 0 on CUDA,"
-                             f" {CPU_EMULATED_STEP_MS:g} on CPU (where the model then computes on one thread)")
+    parser.add_argument(
+        "--storage-latency-ms",
+        type=float,
+        default=0.0,
+        help="per-sample sleep emulating network storage (makes the pipeline I/O-bound)",
+    )
+    parser.add_argument(
+        "--limit-batches",
+        type=_batches,
+        default=None,
+        help="batches per epoch (int) or fraction of the epoch (float), train and val",
+    )
+    parser.add_argument(
+        "--emulate-step-ms",
+        type=float,
+        default=None,
+        help="emulate an accelerator: stretch each training step to this long (ms); default: 0 on CUDA,"
+        f" {CPU_EMULATED_STEP_MS:g} on CPU (where the model then computes on one thread)",
+    )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-workers", type=int, default=0, help="workers the tuner starts from")
     parser.add_argument("--seed", type=int, default=0)
@@ -87,8 +101,11 @@ def main(argv: Optional[Sequence[str]] = None) -> DataLoaderTuner:
     )
     model = SmallCNN(emulate_step_ms=emulate_step_ms)
     tuner = DataLoaderTuner()
-    limits = {} if args.limit_batches is None else {"limit_train_batches": args.limit_batches,
-                                                    "limit_val_batches": args.limit_batches}
+    limits = (
+        {}
+        if args.limit_batches is None
+        else {"limit_train_batches": args.limit_batches, "limit_val_batches": args.limit_batches}
+    )
     trainer = L.Trainer(
         max_epochs=args.epochs,
         callbacks=[tuner],

@@ -11,24 +11,24 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_dltune.core import validation
 from lightning_dltune.control.budgets import clamp_datamodule_start, job_budget
-from lightning_dltune.control.resources import MEMORY_FRACTION, SHM_FRACTION
-from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.control.run import TuningRun
-from lightning_dltune.report.console import Notices, say
-from lightning_dltune.datamodule import TunableDataModule
-from lightning_dltune.measure.distributed import reduce_across_ranks
-from lightning_dltune.nvml.sampler import MODE_SAMPLES
 from lightning_dltune.control.handoff import SpawnHandoff
-from lightning_dltune.report.metrics import add_panels, log_interval, log_window, window_scalars
-from lightning_dltune.measure.probe import WindowProbe
+from lightning_dltune.control.resources import MEMORY_FRACTION, SHM_FRACTION
+from lightning_dltune.control.run import TuningRun
+from lightning_dltune.core import validation
+from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
+from lightning_dltune.core.stats import UtilSource, WindowStats
+from lightning_dltune.core.windows import WindowSchedule
+from lightning_dltune.datamodule import TunableDataModule
+from lightning_dltune.loaders.torch_internals import describe_failure
+from lightning_dltune.measure.distributed import reduce_across_ranks
+from lightning_dltune.measure.probe import WindowProbe
+from lightning_dltune.nvml.sampler import MODE_SAMPLES
+from lightning_dltune.report.console import Notices, say
+from lightning_dltune.report.metrics import add_panels, log_interval, log_window, window_scalars
 from lightning_dltune.report.recommendation import conclude_fit
 from lightning_dltune.report.words import VERBOSE_LINE, VERBOSE_REASON, window_line
-from lightning_dltune.core.stats import UtilSource, WindowStats
-from lightning_dltune.loaders.torch_internals import describe_failure
-from lightning_dltune.core.windows import WindowSchedule
 
 UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
 
@@ -80,7 +80,8 @@ class DataLoaderTuner(Callback):
 
     The console gets one short line per window (through the progress bar when one is shown) and, at the
     end of fit, a table of every window and the recommended config, also written to
-    ``dltune_recommendation.yaml`` in the log dir as a LightningCLI config fragment. :attr:`history` holds this fit's windows; a tuner used
+    ``dltune_recommendation.yaml`` in the log dir as a LightningCLI config fragment. :attr:`history` holds this
+    fit's windows; a tuner used
     for a second fit starts afresh (the earlier fits' windows move to :attr:`previous_fits`).
 
     Args:
@@ -119,7 +120,8 @@ class DataLoaderTuner(Callback):
             ``util_source``, a negative threshold, interval or count, fractions outside ``(0, 1]``,
             ``min_gain`` outside ``[0, 1)``, ``verbose`` outside ``0..2``. A wrong type (a string for a
             bool, a float for a count) raises :class:`~lightning_dltune.core.validation.ArgumentTypeError`, a
-            ``TypeError`` that is also a ``ValueError``. Every message names the argument, the value and what is allowed.
+            ``TypeError`` that is also a ``ValueError``. Every message names the argument, the value and what is
+            allowed.
 
     Example::
 
@@ -159,8 +161,9 @@ class DataLoaderTuner(Callback):
         self.tune = validation.flag("tune", tune)
         self.util_source = validation.choice("util_source", util_source, UTIL_SOURCE_CHOICES)
         validation.number("stall_threshold_ms", stall_threshold_ms, 0.0)
-        self.nvml_poll_interval_s = validation.number("nvml_poll_interval_s", nvml_poll_interval_s, 0.0, math.inf,
-                                                      low_open=True, high_open=True)
+        self.nvml_poll_interval_s = validation.number(
+            "nvml_poll_interval_s", nvml_poll_interval_s, 0.0, math.inf, low_open=True, high_open=True
+        )
         self.log_every_n_steps = validation.count("log_every_n_steps", log_every_n_steps, 0)
         self.first_decision_after = validation.count("first_decision_after", first_decision_after, 0)
         self.window_batches = validation.count("window_batches", window_batches, 1)
@@ -188,8 +191,9 @@ class DataLoaderTuner(Callback):
             self.previous_fits.append(previous.history)
         # only a tuned fit judges its start early: a monitor's first window is a regular one
         first = self.first_decision_after if self.tune and datamodule is not None else 0
-        self._run = TuningRun(self.settings, WindowSchedule(self.window_batches, self.window_seconds, first),
-                              datamodule, self.tune)
+        self._run = TuningRun(
+            self.settings, WindowSchedule(self.window_batches, self.window_seconds, first), datamodule, self.tune
+        )
         self._run.on_rollback = self._said_rollback
         self._recommended: Optional[LoaderConfig] = None
         self.recommendation_path: Optional[str] = None
@@ -199,7 +203,7 @@ class DataLoaderTuner(Callback):
 
     @property
     def history(self) -> list[WindowRecord]:
-        """This fit's windows, one :class:`~lightning_dltune.core.records.WindowRecord` each (config, stats, verdict, reason)."""
+        """This fit's windows, a :class:`~lightning_dltune.core.records.WindowRecord` each (config, stats, verdict)."""
         self._take_handoff()
         return self._run.history
 
@@ -232,15 +236,24 @@ class DataLoaderTuner(Callback):
         datamodule = trainer.datamodule
         self._start_fit(datamodule if isinstance(datamodule, TunableDataModule) else None)
         if self.tune and not self._run.tuning:
-            self._say_once(trainer, "no-mixin", "DataLoaderTuner: the datamodule is not a TunableDataModule, so its"
-                           " loaders cannot be rebuilt; measuring, logging and recommending only.")
+            self._say_once(
+                trainer,
+                "no-mixin",
+                "DataLoaderTuner: the datamodule is not a TunableDataModule, so its"
+                " loaders cannot be rebuilt; measuring, logging and recommending only.",
+            )
         device = trainer.strategy.root_device
-        sampler = self._probe.open_sampler(None if self.util_source == UtilSource.ESTIMATE else device,
-                                           self.nvml_poll_interval_s)
+        sampler = self._probe.open_sampler(
+            None if self.util_source == UtilSource.ESTIMATE else device, self.nvml_poll_interval_s
+        )
         if not sampler.available and (self.util_source == UtilSource.NVML or device.type == "cuda"):
-            self._say_once(trainer, "estimate", f"DataLoaderTuner: NVML cannot serve {device}"
-                           f" ({sampler.unavailable_reason}); GPU utilization is the estimate 1 - starvation_ratio.",
-                           warn=self.util_source == UtilSource.NVML)
+            self._say_once(
+                trainer,
+                "estimate",
+                f"DataLoaderTuner: NVML cannot serve {device}"
+                f" ({sampler.unavailable_reason}); GPU utilization is the estimate 1 - starvation_ratio.",
+                warn=self.util_source == UtilSource.NVML,
+            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -276,7 +289,9 @@ class DataLoaderTuner(Callback):
         self._open_window(trainer, first_batch)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._measuring:  # resumed mid-epoch: Lightning skipped the epoch start
             self._measure_epoch(trainer, batch_idx)
         self._probe.batch_started(trainer, batch, time.perf_counter())
@@ -302,7 +317,9 @@ class DataLoaderTuner(Callback):
         self._probe.pause_util()  # resumed by the next training batch: a checkpoint saved after stays out
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self._probe.pause_util()  # the file is written after this hook
 
     @override
@@ -311,7 +328,9 @@ class DataLoaderTuner(Callback):
         self._close_window(trainer, pl_module)
 
     # ------------------------------------------------------------------ decisions
-    def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, end_batch: Optional[int] = None) -> None:
+    def _close_window(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, end_batch: Optional[int] = None
+    ) -> None:
         """Judge the window (every rank at once), log it, and mid-epoch (``end_batch``) open the next one."""
         config = self._probe.config
         if config is None:
@@ -319,11 +338,22 @@ class DataLoaderTuner(Callback):
         if self._probe.fetcher_missing:
             self._say_once(trainer, "no-fetcher", "DataLoaderTuner: cannot time fetches with this Lightning version.")
         stats = self._job_stats(trainer, pl_module)
-        record = self._run.close_window(config, stats, self._budget(trainer, pl_module), trainer.current_epoch,
-                                        trainer.global_step, end_batch, partial(trainer.strategy.broadcast, src=0))
+        record = self._run.close_window(
+            config,
+            stats,
+            self._budget(trainer, pl_module),
+            trainer.current_epoch,
+            trainer.global_step,
+            end_batch,
+            partial(trainer.strategy.broadcast, src=0),
+        )
         if record is None and stats.batches:
-            self._say_once(trainer, "no-fetch", f"[dltune] a window of {stats.batches} batch(es) had no fetch"
-                           " after the loader's start-up: no verdict; epochs need a few batches to be judged")
+            self._say_once(
+                trainer,
+                "no-fetch",
+                f"[dltune] a window of {stats.batches} batch(es) had no fetch"
+                " after the loader's start-up: no verdict; epochs need a few batches to be judged",
+            )
         if record is not None and trainer.is_global_zero:
             self._log_window(trainer, record)
         if end_batch is not None:  # the rest of the epoch is measured in windows of the config it runs
@@ -339,19 +369,33 @@ class DataLoaderTuner(Callback):
         return reduce_across_ranks(trainer.strategy, self._probe.local_stats(), trainer.world_size, pl_module.device)
 
     def _budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
-        return job_budget(trainer, pl_module.device, self.max_workers, self.memory_fraction, self.shm_fraction,
-                          self._run.worker_cap, self._run.held_workers())
+        return job_budget(
+            trainer,
+            pl_module.device,
+            self.max_workers,
+            self.memory_fraction,
+            self.shm_fraction,
+            self._run.worker_cap,
+            self._run.held_workers(),
+        )
 
     def _said_rollback(self, failed: LoaderConfig, restored: LoaderConfig, exc: BaseException) -> None:
         """A loader switch rolled back (the run capped the workers): measure ``restored`` and say why."""
         self._probe.config = restored
-        self._say_once(None, "rebuild-failed", f"DataLoaderTuner: the new loader config failed ({describe_failure(exc)});"
-                       f" went back to {restored.short()} and the fit goes on.", warn=True, all_ranks=True)
+        self._say_once(
+            None,
+            "rebuild-failed",
+            f"DataLoaderTuner: the new loader config failed ({describe_failure(exc)});"
+            f" went back to {restored.short()} and the fit goes on.",
+            warn=True,
+            all_ranks=True,
+        )
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._recommended, self.recommendation_path = conclude_fit(
-            trainer, self._run.history, self.settings.min_gain, self.recommendation_file, self.verbose)
+            trainer, self._run.history, self.settings.min_gain, self.recommendation_file, self.verbose
+        )
 
     # ------------------------------------------------------------------ logging
     def _log_window(self, trainer: pl.Trainer, record: WindowRecord) -> None:

@@ -1,4 +1,4 @@
-"""The DataModule mixin whose train and val loaders the tuner can switch to a new config, mid-epoch or between epochs."""
+"""The DataModule mixin whose train and val loaders the tuner switches to a new config, mid-epoch or between epochs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from lightning_dltune.core import validation
 from lightning_dltune.control.switchable import FailureListener
+from lightning_dltune.core import validation
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.loaders.arguments import check_loader_kwargs
 from lightning_dltune.loaders.collection import flatten_loaders
@@ -18,9 +18,16 @@ from lightning_dltune.loaders.switch import LoaderSwitch, loader_config_of
 from lightning_dltune.loaders.torch_internals import describe_failure, shutdown_workers
 
 # set by the mixin's own arguments, never through `loader_kwargs`
-_OWNED = ("batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "drop_last",
-          "shuffle", "dataset")
-
+_OWNED = (
+    "batch_size",
+    "num_workers",
+    "prefetch_factor",
+    "pin_memory",
+    "persistent_workers",
+    "drop_last",
+    "shuffle",
+    "dataset",
+)
 
 
 def _runs_with(loader: DataLoader, config: LoaderConfig) -> bool:
@@ -36,7 +43,8 @@ class TunableDataModule:
     :class:`~lightning_dltune.DataLoaderTuner` picks a new config, the live loaders switch in place:
     mid-epoch where the sampler allows it (a map-style dataset with torch's samplers: the rest of the
     epoch's indices go to the new workers), otherwise at the next epoch start; the old workers shut
-    down first, and Lightning's sampler is kept, ``DistributedSampler`` included. Each change is a :class:`~lightning_dltune.loaders.switch.LoaderSwitch`:
+    down first, and Lightning's sampler is kept, ``DistributedSampler`` included. Each change is a
+    :class:`~lightning_dltune.loaders.switch.LoaderSwitch`:
     if the loader machinery fails before the new config has delivered a few windows' worth of
     batches, the loader goes back to the last good config and the batches the dead workers held are
     loaded again (every sample once); an error raised by your dataset, collate or
@@ -356,4 +364,3 @@ def _warn_rollback(failed: LoaderConfig, restored: LoaderConfig, exc: BaseExcept
         f" went back to {restored.short()}.",
         stacklevel=2,
     )
-

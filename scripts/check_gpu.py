@@ -124,8 +124,13 @@ def check_identity(index: int, checks: Checks, load: Optional[Load] = None) -> d
     uuid, pci = cuda_device_identity(index)
     torch_uuid = uuid if uuid and uuid.startswith("GPU-") else f"GPU-{uuid}"
     sampler = UtilizationSampler(torch.device("cuda", index), poll_interval_s=POLL_S)
-    info: dict[str, Any] = {"torch_uuid": uuid, "torch_pci": pci, "matched_by": sampler.matched_by,
-                            "mode_at_start": sampler.mode, "unavailable_reason": sampler.unavailable_reason}
+    info: dict[str, Any] = {
+        "torch_uuid": uuid,
+        "torch_pci": pci,
+        "matched_by": sampler.matched_by,
+        "mode_at_start": sampler.mode,
+        "unavailable_reason": sampler.unavailable_reason,
+    }
     if not checks.add("sampler available", sampler.available, sampler.unavailable_reason or "nvml", "available"):
         return info
     handle = sampler.handle
@@ -133,8 +138,12 @@ def check_identity(index: int, checks: Checks, load: Optional[Load] = None) -> d
     nvml_pci = _text(pynvml.nvmlDeviceGetPciInfo(handle).busId)
     info.update(nvml_uuid=nvml_uuid, nvml_pci=nvml_pci)
     checks.add("NVML UUID of the handle == GPU- + torch UUID", nvml_uuid == torch_uuid, nvml_uuid, torch_uuid)
-    checks.add("PCI bus ids match", _pci_key(pci) is not None and _pci_key(nvml_pci) == _pci_key(pci),
-               [nvml_pci, pci], "the same bus id")
+    checks.add(
+        "PCI bus ids match",
+        _pci_key(pci) is not None and _pci_key(nvml_pci) == _pci_key(pci),
+        [nvml_pci, pci],
+        "the same bus id",
+    )
     checks.add("matched by UUID, not the PCI fallback", sampler.matched_by == "uuid", sampler.matched_by, "'uuid'")
     (load or Load(torch.device("cuda", index))).busy(1.5, sampler)
     checks.add("samples mode is live", sampler.mode == MODE_SAMPLES, sampler.mode, f"{MODE_SAMPLES!r}")
@@ -147,16 +156,22 @@ def check_identity_in_child(uuid: str, checks: Checks) -> None:
     """The same identity checks where ``CUDA_VISIBLE_DEVICES`` names the device by UUID."""
     visible = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--identity-only"], env=env,
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--identity-only"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     try:
         child = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         checks.add(f"child with CUDA_VISIBLE_DEVICES={visible} ran", False, proc.stderr[-500:], "a JSON report")
         return
     for item in child["checks"]:
-        checks.add(f"[CUDA_VISIBLE_DEVICES={visible[:12]}...] {item['name']}", item["ok"], item["value"],
-                   item["expected"])
+        checks.add(
+            f"[CUDA_VISIBLE_DEVICES={visible[:12]}...] {item['name']}", item["ok"], item["value"], item["expected"]
+        )
 
 
 # ------------------------------------------------------------------------------------ raw samples
@@ -173,20 +188,35 @@ def check_raw_samples(handle: Any, load: Load, checks: Checks) -> dict[str, Any]
     stamps = sorted(int(s.timeStamp) for s in samples)
     steps = [b - a for a, b in zip(stamps, stamps[1:]) if b > a]
     period_ms = statistics.median(steps) / 1e3 if steps else None
-    checks.add("sample value type is unsigned int", value_type == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-               value_type, f"{pynvml.NVML_VALUE_TYPE_UNSIGNED_INT}")
-    checks.add("sample values in 0-100", bool(values) and all(0 <= v <= 100 for v in values),
-               {"min": min(values, default=None), "max": max(values, default=None), "count": len(values)},
-               "0 <= v <= 100, some samples")
+    checks.add(
+        "sample value type is unsigned int",
+        value_type == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+        value_type,
+        f"{pynvml.NVML_VALUE_TYPE_UNSIGNED_INT}",
+    )
+    checks.add(
+        "sample values in 0-100",
+        bool(values) and all(0 <= v <= 100 for v in values),
+        {"min": min(values, default=None), "max": max(values, default=None), "count": len(values)},
+        "0 <= v <= 100, some samples",
+    )
     newest = stamps[-1] if stamps else 0
     again = _samples_after(handle, newest)
-    checks.add("asking again from the newest timestamp returns nothing older",
-               all(int(s.timeStamp) > newest for s in again), len(again), "no sample at or before the cursor")
+    checks.add(
+        "asking again from the newest timestamp returns nothing older",
+        all(int(s.timeStamp) > newest for s in again),
+        len(again),
+        "no sample at or before the cursor",
+    )
     time.sleep(WINDOW_S)  # idle with a live context
     idle = _samples_after(handle, newest)
     expected = int(0.5 * WINDOW_S * 1e3 / period_ms) if period_ms else 1
-    checks.add(f"samples keep arriving through a {WINDOW_S:.0f} s idle sleep", len(idle) >= expected, len(idle),
-               f">= {expected} (half of {WINDOW_S:.0f} s / {period_ms} ms)")
+    checks.add(
+        f"samples keep arriving through a {WINDOW_S:.0f} s idle sleep",
+        len(idle) >= expected,
+        len(idle),
+        f">= {expected} (half of {WINDOW_S:.0f} s / {period_ms} ms)",
+    )
     return {"period_ms": period_ms, "buffer_samples": len(samples), "samples_during_idle": len(idle)}
 
 
@@ -214,10 +244,12 @@ def check_accuracy(device: torch.device, load: Load, checks: Checks) -> dict[str
     ):
         mean, count, mode = _window(sampler, run)
         out[name] = {"mean": mean, "samples": count, "mode": mode}
-        checks.add(f"{name} window reads {lo:g}-{hi:g} with >= {MIN_SAMPLES} samples",
-                   mean is not None and lo <= mean <= hi and count >= MIN_SAMPLES,
-                   {"mean": None if mean is None else round(mean, 3), "samples": count, "mode": mode},
-                   f"{lo:g} <= mean <= {hi:g}, samples >= {MIN_SAMPLES}")
+        checks.add(
+            f"{name} window reads {lo:g}-{hi:g} with >= {MIN_SAMPLES} samples",
+            mean is not None and lo <= mean <= hi and count >= MIN_SAMPLES,
+            {"mean": None if mean is None else round(mean, 3), "samples": count, "mode": mode},
+            f"{lo:g} <= mean <= {hi:g}, samples >= {MIN_SAMPLES}",
+        )
 
     sampler.start_window()
     whole.start_window()
@@ -228,10 +260,12 @@ def check_accuracy(device: torch.device, load: Load, checks: Checks) -> dict[str
     load.busy(WINDOW_S, sampler, whole)
     paused, unpaused = sampler.window_mean(), whole.window_mean()
     out["busy/idle/busy"] = {"paused": paused, "unpaused": unpaused}
-    checks.add("busy/idle/busy with the idle part paused reads >= 0.9", paused is not None and paused >= 0.9,
-               paused, ">= 0.9")
-    checks.add("busy/idle/busy without the pause reads <= 0.75", unpaused is not None and unpaused <= 0.75,
-               unpaused, "<= 0.75")
+    checks.add(
+        "busy/idle/busy with the idle part paused reads >= 0.9", paused is not None and paused >= 0.9, paused, ">= 0.9"
+    )
+    checks.add(
+        "busy/idle/busy without the pause reads <= 0.75", unpaused is not None and unpaused <= 0.75, unpaused, "<= 0.75"
+    )
     out["direct_rate_after_busy"] = _direct_rate(sampler.handle)
     sampler.close()
     whole.close()
@@ -258,8 +292,10 @@ def run_checks(index: int = 0, child: bool = True) -> dict[str, Any]:
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     checks = Checks()
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device),
-                              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
     print(f"NVML check on {result['device']} (cuda:{index})", flush=True)
     load = Load(device)
     load.busy(0.3)  # warm-up: kernels, clocks

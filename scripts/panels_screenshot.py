@@ -36,8 +36,18 @@ def run_demo(logdir: Path, epochs: int) -> None:
     """A short demo fit (the README's main command with fewer epochs) logging into ``logdir``."""
     dltune = Path(sys.executable).with_name("dltune")
     cmd = [str(dltune)] if dltune.exists() else [sys.executable, "-m", "lightning_dltune"]
-    subprocess.run(cmd + ["fit", "--config", "configs/demo.yaml", f"--trainer.max_epochs={epochs}",
-                          f"--trainer.logger.init_args.save_dir={logdir}"], cwd=ROOT, check=True)
+    subprocess.run(
+        cmd
+        + [
+            "fit",
+            "--config",
+            "configs/demo.yaml",
+            f"--trainer.max_epochs={epochs}",
+            f"--trainer.logger.init_args.save_dir={logdir}",
+        ],
+        cwd=ROOT,
+        check=True,
+    )
 
 
 def wait_for(url: str, timeout_s: float = 60.0) -> None:
@@ -66,18 +76,33 @@ def shoot(logdir: Path, out: Path, width: int, height: int, wait_ms: int) -> Non
     port = free_port()
     tensorboard = Path(sys.executable).with_name("tensorboard")
     cmd = [str(tensorboard)] if tensorboard.exists() else [sys.executable, "-m", "tensorboard.main"]
-    server = subprocess.Popen(cmd + ["--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        cmd + ["--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         wait_for(f"{base}/data/logdir")
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as profile:
             subprocess.run(
-                [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                 f"--user-data-dir={profile}", f"--window-size={width},{height}",
-                 f"--virtual-time-budget={wait_ms}", f"--screenshot={out}", f"{base}/#custom_scalars"],
-                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120,
+                [
+                    browser(),
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--hide-scrollbars",
+                    f"--user-data-dir={profile}",
+                    f"--window-size={width},{height}",
+                    f"--virtual-time-budget={wait_ms}",
+                    f"--screenshot={out}",
+                    f"{base}/#custom_scalars",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=120,
             )
     finally:
         server.terminate()

@@ -1,7 +1,7 @@
 """Renders the "Works with" table of docs/works-with.md from tests/test_trainer_features.py and a run of it.
 
     .venv/bin/python scripts/works_with.py            # runs the matrix, prints the Markdown table
-    .venv/bin/python scripts/works_with.py --write    # also replaces the table between the markers of docs/works-with.md
+    .venv/bin/python scripts/works_with.py --write    # also replaces the table in docs/works-with.md
 
 Each row of the table is one test of the matrix (parametrised cases are one row): "works" when every
 case passed, "known break" when a case is an expected failure (named in the test's reason).
@@ -25,8 +25,20 @@ def run_matrix() -> dict[str, list[str]]:
     """Outcome of every case, by test function name: "passed", "xfailed", "failed" or "skipped"."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "matrix.xml"
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                        "tests/test_trainer_features.py"], cwd=ROOT, check=False)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={report}",
+                "tests/test_trainer_features.py",
+            ],
+            cwd=ROOT,
+            check=False,
+        )
         outcomes: dict[str, list[str]] = {}
         for case in ET.parse(report).iter("testcase"):
             name = re.sub(r"\[.*\]$", "", case.get("name", ""))
@@ -35,7 +47,9 @@ def run_matrix() -> dict[str, list[str]]:
                 outcome = "failed"
             elif "skipped" in children:
                 kind = children["skipped"].get("type", "")
-                outcome = "xfailed" if "xfail" in kind or "xfail" in children["skipped"].get("message", "") else "skipped"
+                outcome = (
+                    "xfailed" if "xfail" in kind or "xfail" in children["skipped"].get("message", "") else "skipped"
+                )
             else:
                 outcome = "passed"
             outcomes.setdefault(name, []).append(outcome)
@@ -64,7 +78,9 @@ def table(outcomes: dict[str, list[str]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="replace the table between the markers of docs/works-with.md")
+    parser.add_argument(
+        "--write", action="store_true", help="replace the table between the markers of docs/works-with.md"
+    )
     args = parser.parse_args()
     rendered = table(run_matrix())
     print(rendered)

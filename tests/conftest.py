@@ -35,12 +35,16 @@ def pytest_collection_modifyitems(config, items):
     The mark is explicit (``pytestmark = pytest.mark.slow`` in a module of slow tests, ``@pytest.mark.slow`` on a
     test); this guard stops the run, naming the tests, where one was forgotten.
     """
-    unmarked = [item.nodeid for item in items
-                if "trainer_kwargs" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None]
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "trainer_kwargs" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None
+    ]
     if unmarked:
         raise pytest.UsageError(
             "these tests ask for `trainer_kwargs` (a real fit) but are not marked slow; add `@pytest.mark.slow`, "
-            "or `pytestmark = pytest.mark.slow` in a module of slow tests:\n  " + "\n  ".join(unmarked))
+            "or `pytestmark = pytest.mark.slow` in a module of slow tests:\n  " + "\n  ".join(unmarked)
+        )
 
 
 @pytest.fixture

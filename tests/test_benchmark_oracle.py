@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from benchmark_modules import load_benchmark_module
 
 MB = 2**20
@@ -12,8 +11,13 @@ oracle = load_benchmark_module("oracle", "strategies")
 
 
 def _run(fit_s: float, walls: list[float], label: str = "grid") -> dict:
-    return {"fit_s": fit_s, "spec": {"label": label}, "memory": {"peak_mb": 400.0}, "load_avg_1m": 0.5,
-            "epochs": [{"wall_s": w, "samples_per_s": 1000.0 / w} for w in walls]}
+    return {
+        "fit_s": fit_s,
+        "spec": {"label": label},
+        "memory": {"peak_mb": 400.0},
+        "load_avg_1m": 0.5,
+        "epochs": [{"wall_s": w, "samples_per_s": 1000.0 / w} for w in walls],
+    }
 
 
 def test_a_short_grid_run_is_carried_to_the_full_fit_with_its_steady_epochs():
@@ -24,8 +28,12 @@ def test_a_short_grid_run_is_carried_to_the_full_fit_with_its_steady_epochs():
 
 
 def test_oracle_is_the_leanest_point_within_two_percent_of_the_fastest():
-    grid = oracle.grid_rows({(0, 2): _run(100.0, [12.0]), (2, 2): _run(60.0, [7.0]), (4, 2): _run(59.0, [7.0]),
-                             (4, 4): _run(58.9, [7.0])}, epochs=1, batch_bytes=MB, budget_mb=None)
+    grid = oracle.grid_rows(
+        {(0, 2): _run(100.0, [12.0]), (2, 2): _run(60.0, [7.0]), (4, 2): _run(59.0, [7.0]), (4, 4): _run(58.9, [7.0])},
+        epochs=1,
+        batch_bytes=MB,
+        budget_mb=None,
+    )
     best = oracle.pick_oracle(grid)
     assert (best["num_workers"], best["prefetch_factor"]) == (2, 2)  # 60.0 s is within 2 % of 58.9 s
 
@@ -42,6 +50,10 @@ def test_points_whose_prefetched_batches_break_the_budget_cannot_be_the_oracle()
 
 
 def test_no_oracle_when_no_grid_point_finished():
-    grid = oracle.grid_rows({(2, 2): {"error": "timeout", "spec": {"label": "grid"}, "memory": {}}},
-                            epochs=8, batch_bytes=MB, budget_mb=None)
+    grid = oracle.grid_rows(
+        {(2, 2): {"error": "timeout", "spec": {"label": "grid"}, "memory": {}}},
+        epochs=8,
+        batch_bytes=MB,
+        budget_mb=None,
+    )
     assert grid[0]["projected_fit_s"] is None and oracle.pick_oracle(grid) is None

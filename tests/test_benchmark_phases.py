@@ -1,4 +1,4 @@
-"""The benchmark's changing conditions: where a slowdown starts, what the phase's oracle runs, how the band is clocked."""
+"""The benchmark's changing conditions: where a slowdown starts, what the phase oracle runs, how the band is clocked."""
 
 from __future__ import annotations
 

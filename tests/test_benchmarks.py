@@ -20,9 +20,19 @@ STRATEGIES = ("default", "rule", "oracle", "tuned_default", "tuned_bad")
 def smoke_results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "tuning.py"), "--smoke", "--out", str(out),
-         "--log-dir", str(out / "logs")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "tuning.py"),
+            "--smoke",
+            "--out",
+            str(out),
+            "--log-dir",
+            str(out / "logs"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out

@@ -1,4 +1,4 @@
-"""budgets: the worker cap after a failed switch and the start clamp (pure parts; the DDP reduction runs in test_ddp)."""
+"""budgets: the worker cap after a failed switch and the start clamp (pure parts; DDP reduction runs in test_ddp)."""
 
 from lightning_dltune.control.budgets import cap_after_failure, clamp_start
 from lightning_dltune.core.config import LoaderConfig
@@ -15,8 +15,12 @@ def test_a_failed_switch_caps_workers_halfway_back_up_and_never_raises_the_cap()
 
 
 def test_a_failure_that_did_not_add_workers_leaves_the_cap_alone():
-    assert cap_after_failure(None, failed=LoaderConfig(num_workers=2, prefetch_factor=8),
-                             restored=LoaderConfig(num_workers=2)) is None
+    assert (
+        cap_after_failure(
+            None, failed=LoaderConfig(num_workers=2, prefetch_factor=8), restored=LoaderConfig(num_workers=2)
+        )
+        is None
+    )
 
 
 def test_the_start_clamp_shares_dev_shm_between_train_and_val_and_keeps_a_batch_per_loop():

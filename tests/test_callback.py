@@ -6,19 +6,35 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tb_events import layout, scalars, texts
 from torch.utils.data import DataLoader, TensorDataset
+from workloads import CountingIterable, SleepStepModule, SleepyDataModule
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.report.tensorboard import layout_tags
-from tb_events import layout, scalars, texts
-from workloads import CountingIterable, SleepStepModule, SleepyDataModule
 
 EPOCH_TAGS = [
-    "dltune/starvation_ratio", "dltune/gpu_util", "dltune/util_from_nvml", "dltune/band_low", "dltune/band_high",
-    "dltune/fetch_wait_ms", "dltune/fetch_wait_p50_ms", "dltune/fetch_wait_p95_ms", "dltune/step_ms",
-    "dltune/step_p50_ms", "dltune/step_p95_ms", "dltune/stalls", "dltune/stall_fraction", "dltune/queue_depth",
-    "dltune/samples_per_s", "dltune/startup_ms", "dltune/worker_batch_ms", "dltune/num_workers",
-    "dltune/prefetch_factor", "dltune/rebuilds", "dltune/gpu_util_judged",
+    "dltune/starvation_ratio",
+    "dltune/gpu_util",
+    "dltune/util_from_nvml",
+    "dltune/band_low",
+    "dltune/band_high",
+    "dltune/fetch_wait_ms",
+    "dltune/fetch_wait_p50_ms",
+    "dltune/fetch_wait_p95_ms",
+    "dltune/step_ms",
+    "dltune/step_p50_ms",
+    "dltune/step_p95_ms",
+    "dltune/stalls",
+    "dltune/stall_fraction",
+    "dltune/queue_depth",
+    "dltune/samples_per_s",
+    "dltune/startup_ms",
+    "dltune/worker_batch_ms",
+    "dltune/num_workers",
+    "dltune/prefetch_factor",
+    "dltune/rebuilds",
+    "dltune/gpu_util_judged",
 ]
 
 
@@ -41,7 +57,11 @@ def test_tensorboard_gets_the_layout_every_scalar_and_the_decisions(trainer_kwar
     categories = layout(str(tmp_path / "tb")).category
     assert [c.title for c in categories] == ["dltune: headline", "dltune: detail"]
     assert list(categories[0].chart[0].multiline.tag) == [
-        "dltune/gpu_util$", "dltune/gpu_util_judged$", "dltune/band_low$", "dltune/band_high$"]
+        "dltune/gpu_util$",
+        "dltune/gpu_util_judged$",
+        "dltune/band_low$",
+        "dltune/band_high$",
+    ]
     assert set(layout_tags(recent=True)) <= set(logged)  # every panel has data
     decisions = texts(str(tmp_path / "tb"))
     assert len(decisions) == 2 and "epoch 0" in decisions[0] and "(estimate)" in decisions[0]
@@ -210,8 +230,9 @@ def test_a_fit_resumed_mid_epoch_records_the_rest_of_that_epoch(trainer_kwargs, 
     ckpt = str(tmp_path / "mid.ckpt")
     dm = SleepyDataModule(train_length=80, val_length=8, batch_size=4, num_workers=0)
     first = DataLoaderTuner(verbose=False, first_decision_after=0)
-    pl.Trainer(max_epochs=3, callbacks=[first, CheckpointAndStop(ckpt, epoch=1, batch_idx=6)],
-               **trainer_kwargs).fit(SleepStepModule(), datamodule=dm)
+    pl.Trainer(max_epochs=3, callbacks=[first, CheckpointAndStop(ckpt, epoch=1, batch_idx=6)], **trainer_kwargs).fit(
+        SleepStepModule(), datamodule=dm
+    )
     tuner = DataLoaderTuner(verbose=False, first_decision_after=0)
     dm = SleepyDataModule(train_length=80, val_length=8, batch_size=4, num_workers=0)
     # Lightning skips on_train_epoch_start when it resumes mid-epoch: the window starts at the first batch

@@ -16,14 +16,24 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from dltune_command import REPO, run_module, run_script
 
 pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
 
-TINY = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "6", "--trainer.limit_val_batches", "2",
-        "--data.init_args.num_images", "160", "--data.init_args.batch_size", "8",
-        "--model.init_args.emulate_step_ms", "5"]
+TINY = [
+    "--trainer.max_epochs",
+    "2",
+    "--trainer.limit_train_batches",
+    "6",
+    "--trainer.limit_val_batches",
+    "2",
+    "--data.init_args.num_images",
+    "160",
+    "--data.init_args.batch_size",
+    "8",
+    "--model.init_args.emulate_step_ms",
+    "5",
+]
 
 
 def logs_args(tmp: Path) -> list[str]:
@@ -41,9 +51,9 @@ def demo(tmp_path_factory):
 
 def test_demo_prints_a_line_per_epoch_a_table_and_the_recommendation(demo):
     _, version, output = demo
-    lines = [l for l in output.splitlines() if l.startswith("[dltune] epoch")]
+    lines = [line for line in output.splitlines() if line.startswith("[dltune] epoch")]
     assert len(lines) == 2
-    assert all("workers" in l and "GPU busy" in l and "(estimate)" in l and len(l) <= 120 for l in lines)
+    assert all("workers" in line and "GPU busy" in line and "(estimate)" in line and len(line) <= 120 for line in lines)
     assert "lightning-dltune: loader tuning" in output and "recommended: workers=" in output
     assert "emulated" in output  # the accelerator step is emulated on CPU and says so
     assert (version / "dltune_recommendation.yaml").is_file()
@@ -60,19 +70,39 @@ def test_recommendation_round_trips_through_the_cli(demo):
         assert merged["data"]["init_args"][key] == value, key
     assert merged["data"]["class_path"] == "examples.image_pipeline.JpegDataModule"
     # and it trains with it
-    proc = run_module("fit", "--config", "configs/demo.yaml", "--config", str(rec), *TINY, "--trainer.max_epochs", "1",
-                  *logs_args(tmp), tmp=tmp)
+    proc = run_module(
+        "fit",
+        "--config",
+        "configs/demo.yaml",
+        "--config",
+        str(rec),
+        *TINY,
+        "--trainer.max_epochs",
+        "1",
+        *logs_args(tmp),
+        tmp=tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"workers={recommended['num_workers']} prefetch={recommended['prefetch_factor']}" in proc.stderr + proc.stdout
+    assert (
+        f"workers={recommended['num_workers']} prefetch={recommended['prefetch_factor']}" in proc.stderr + proc.stdout
+    )
 
 
 def test_monitor_only_config_never_rebuilds(tmp_path):
-    proc = run_module("fit", "--config", "configs/monitor_only.yaml", *TINY, "--trainer.max_epochs", "2",
-                  *logs_args(tmp_path), tmp=tmp_path)
+    proc = run_module(
+        "fit",
+        "--config",
+        "configs/monitor_only.yaml",
+        *TINY,
+        "--trainer.max_epochs",
+        "2",
+        *logs_args(tmp_path),
+        tmp=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
-    lines = [l for l in output.splitlines() if l.startswith("[dltune] epoch")]
-    configs = [l.split("|")[1].strip() for l in lines]
+    lines = [line for line in output.splitlines() if line.startswith("[dltune] epoch")]
+    configs = [line.split("|")[1].strip() for line in lines]
     assert len(lines) == 2 and all(c.startswith("workers 0") and c.count(", prefetch 2") == 1 for c in configs)
     assert all("->" not in c or c.endswith("(would try)") for c in configs)  # a change is only what it would try
 
@@ -82,7 +112,7 @@ def test_ddp_cpu_config_runs_two_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     assert "MEMBER: 2/2" in output
-    assert len([l for l in output.splitlines() if l.startswith("[dltune] epoch")]) == 2  # rank zero only
+    assert len([line for line in output.splitlines() if line.startswith("[dltune] epoch")]) == 2  # rank zero only
 
 
 @pytest.mark.parametrize(
@@ -110,31 +140,53 @@ def test_bad_yaml_file_names_the_key(tmp_path):
     assert proc.returncode != 0 and "prefetch_factr" in proc.stderr
 
 
-USER_SCRIPT = '''
+USER_SCRIPT = """
 import sys
 sys.path[:0] = [{repo!r}, {tests!r}]
 from lightning.pytorch.cli import LightningCLI
 from workloads import SleepStepModule, SleepyDataModule
 LightningCLI(SleepStepModule, SleepyDataModule)
-'''
+"""
 
 USER_CONFIG = {
     "trainer": {
-        "max_epochs": 2, "accelerator": "cpu", "logger": False, "enable_checkpointing": False,
-        "enable_progress_bar": False, "num_sanity_val_steps": 0,
-        "callbacks": [{
-            "class_path": "lightning_dltune.DataLoaderTuner",
-            "init_args": {
-                "tune": True, "band": [0.8, 0.9], "util_source": "estimate", "stall_threshold_ms": 2.0,
-                "log_every_n_steps": 5, "max_workers": 3, "memory_fraction": 0.4, "shm_fraction": 0.4,
-                "max_rebuilds": 4, "min_gain": 0.1, "max_prefetch_factor": 4, "nvml_poll_interval_s": 2.0,
-                "verbose": True, "recommendation_file": False,
-            },
-        }],
+        "max_epochs": 2,
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "num_sanity_val_steps": 0,
+        "callbacks": [
+            {
+                "class_path": "lightning_dltune.DataLoaderTuner",
+                "init_args": {
+                    "tune": True,
+                    "band": [0.8, 0.9],
+                    "util_source": "estimate",
+                    "stall_threshold_ms": 2.0,
+                    "log_every_n_steps": 5,
+                    "max_workers": 3,
+                    "memory_fraction": 0.4,
+                    "shm_fraction": 0.4,
+                    "max_rebuilds": 4,
+                    "min_gain": 0.1,
+                    "max_prefetch_factor": 4,
+                    "nvml_poll_interval_s": 2.0,
+                    "verbose": True,
+                    "recommendation_file": False,
+                },
+            }
+        ],
     },
     "model": {"step_s": 0.005},
-    "data": {"train_length": 64, "val_length": 8, "batch_cost_s": 0.01, "batch_size": 4, "num_workers": 0,
-             "prefetch_factor": 2},
+    "data": {
+        "train_length": 64,
+        "val_length": 8,
+        "batch_cost_s": 0.01,
+        "batch_size": 4,
+        "num_workers": 0,
+        "prefetch_factor": 2,
+    },
 }
 
 
@@ -144,18 +196,23 @@ def test_users_own_lightning_cli_takes_the_callback_and_a_tunable_datamodule(tmp
     (tmp_path / "conf").mkdir()
     config = tmp_path / "conf" / "user.yaml"
     config.write_text(yaml.safe_dump(USER_CONFIG))
-    proc = subprocess.run([sys.executable, str(script), "fit", "--config", str(config)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), "fit", "--config", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
-    lines = [l for l in output.splitlines() if l.startswith("[dltune] epoch")]
-    assert len([l for l in lines if l.startswith("[dltune] epoch 1 ")]) == 1
+    lines = [line for line in output.splitlines() if line.startswith("[dltune] epoch")]
+    assert len([line for line in lines if line.startswith("[dltune] epoch 1 ")]) == 1
     # the YAML's arguments took effect: never past max_workers=3, no recommendation file written
     import re
 
     counts = re.findall(r"workers=(\d+)", output) + re.findall(r"workers (?:\d+ -> )?(\d+)", "\n".join(lines))
     assert counts and max(int(w) for w in counts) <= 3
-    assert any(re.search(r"\| workers 0 -> [1-3],", l) for l in lines)  # starved at 0 workers: it tuned
+    assert any(re.search(r"\| workers 0 -> [1-3],", line) for line in lines)  # starved at 0 workers: it tuned
     assert not list(tmp_path.rglob("dltune_recommendation.yaml"))
 
 
@@ -175,8 +232,11 @@ def test_tensorboard_server_shows_the_dltune_panels(demo):
     port = _free_port()
     tensorboard = Path(sys.executable).with_name("tensorboard")
     cmd = [str(tensorboard)] if tensorboard.exists() else [sys.executable, "-m", "tensorboard.main"]
-    server = subprocess.Popen(cmd + ["--logdir", str(tmp / "logs"), "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        cmd + ["--logdir", str(tmp / "logs"), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -206,8 +266,9 @@ def test_tensorboard_server_shows_the_dltune_panels(demo):
 
 # -- the installed `dltune` script: exit status and imports --------------------------------------------
 def test_installed_dltune_script_exits_0_after_a_successful_fit(tmp_path):
-    proc = run_script("fit", "--config", "configs/demo.yaml", *TINY, "--trainer.max_epochs", "1",
-                      *logs_args(tmp_path), tmp=tmp_path)
+    proc = run_script(
+        "fit", "--config", "configs/demo.yaml", *TINY, "--trainer.max_epochs", "1", *logs_args(tmp_path), tmp=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DLTuneCLI object" not in proc.stdout + proc.stderr
     assert "[dltune] epoch 0" in proc.stdout + proc.stderr  # it did train
@@ -227,7 +288,7 @@ def test_help_exits_0_and_points_to_the_sweep(tmp_path, launcher):
 
 
 STRAY_MODULE = "open('stray_module_imported', 'w').close()\n"
-USER_MODEL = '''
+USER_MODEL = """
 import psutil  # installed, not yet imported when dltune starts
 import pynvml
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -238,7 +299,7 @@ for module in (psutil, pynvml):
 
 class UserModel(BoringModel):
     pass
-'''
+"""
 
 
 def test_stray_modules_in_the_current_directory_do_not_shadow_installed_ones(tmp_path):
@@ -246,10 +307,14 @@ def test_stray_modules_in_the_current_directory_do_not_shadow_installed_ones(tmp
         (tmp_path / f"{name}.py").write_text(STRAY_MODULE)
     (tmp_path / "user_model.py").write_text(USER_MODEL)  # class paths still resolve from here
     config = tmp_path / "user.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"class_path": "user_model.UserModel"},
-        "data": {"class_path": "lightning.pytorch.demos.boring_classes.BoringDataModule"},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"class_path": "user_model.UserModel"},
+                "data": {"class_path": "lightning.pytorch.demos.boring_classes.BoringDataModule"},
+            }
+        )
+    )
     proc = run_script("fit", "--config", str(config), "--print_config", tmp=tmp_path, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = dict(line.split(" from ", 1) for line in proc.stdout.splitlines() if " from " in line)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from lightning_dltune.core.config import LoaderConfig
+from workloads import SleepyDataModule
+
 from lightning_dltune.control.run import TuningRun
+from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.records import Budget, PolicySettings, Verdict
 from lightning_dltune.core.stats import WindowStats
 from lightning_dltune.core.windows import NO_BATCH, WindowSchedule
-from workloads import SleepyDataModule
 
 BUDGET = Budget(max_workers=8, cpus=8)
 
@@ -18,10 +19,17 @@ BUDGET = Budget(max_workers=8, cpus=8)
 def window(fetch_ms: float, step_ms: float, batches: int = 50, worker_ms: float | None = None) -> WindowStats:
     """A window where every fetch waited ``fetch_ms`` for a ``step_ms`` step."""
     return WindowStats(
-        batches=batches, samples=32 * batches, fetches=batches, stalls=batches if fetch_ms else 0,
-        fetch_wait_total_s=fetch_ms / 1e3 * batches, step_total_s=step_ms / 1e3 * batches,
-        fetch_wait_p50_s=fetch_ms / 1e3, fetch_wait_p95_s=fetch_ms / 1e3, step_p50_s=step_ms / 1e3,
-        step_p95_s=step_ms / 1e3, worker_batch_s=None if worker_ms is None else worker_ms / 1e3,
+        batches=batches,
+        samples=32 * batches,
+        fetches=batches,
+        stalls=batches if fetch_ms else 0,
+        fetch_wait_total_s=fetch_ms / 1e3 * batches,
+        step_total_s=step_ms / 1e3 * batches,
+        fetch_wait_p50_s=fetch_ms / 1e3,
+        fetch_wait_p95_s=fetch_ms / 1e3,
+        step_p50_s=step_ms / 1e3,
+        step_p95_s=step_ms / 1e3,
+        worker_batch_s=None if worker_ms is None else worker_ms / 1e3,
         worker_cpu_fraction=None if worker_ms is None else 0.1,
     )
 

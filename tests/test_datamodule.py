@@ -10,10 +10,10 @@ import psutil
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 
 from lightning_dltune import DataLoaderTuner, LoaderConfig
 from lightning_dltune.loaders.loader import TunedDataLoader
-from workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 
 
 class AlternateConfigs(Callback):
@@ -64,7 +64,9 @@ def test_extra_loader_arguments_reach_both_loaders(trainer_kwargs):
 
         return default_collate(samples)
 
-    dm = SleepyDataModule(train_length=8, val_length=8, batch_size=4, loader_kwargs={"collate_fn": collate, "timeout": 0})
+    dm = SleepyDataModule(
+        train_length=8, val_length=8, batch_size=4, loader_kwargs={"collate_fn": collate, "timeout": 0}
+    )
     pl.Trainer(max_epochs=1, **trainer_kwargs).fit(SleepStepModule(), datamodule=dm)
     assert seen.count(4) == 4  # 2 train + 2 val batches went through the user's collate_fn
 
@@ -93,8 +95,9 @@ def test_nothing_is_lost_or_repeated_across_rebuilds(trainer_kwargs, reload):
     configs = [LoaderConfig(num_workers=w, prefetch_factor=p) for w, p in ((2, 1), (0, 2), (1, 3))]
     model = SleepStepModule(record_indices=True)
     dm = SleepyDataModule(train_length=30, val_length=13, batch_size=4, num_workers=2)
-    trainer = pl.Trainer(max_epochs=6, callbacks=[AlternateConfigs(configs)],
-                         reload_dataloaders_every_n_epochs=reload, **trainer_kwargs)
+    trainer = pl.Trainer(
+        max_epochs=6, callbacks=[AlternateConfigs(configs)], reload_dataloaders_every_n_epochs=reload, **trainer_kwargs
+    )
     trainer.fit(model, datamodule=dm)
     assert len(model.val_indices) == 6
     for seen in model.val_indices:
@@ -119,8 +122,9 @@ def test_tune_false_never_rebuilds(trainer_kwargs):
 def test_a_rebuild_whose_workers_die_rolls_back_and_the_fit_goes_on(trainer_kwargs):
     # workers are killed (as by the OOM killer) whenever more than one runs
     tuner = DataLoaderTuner(verbose=False, max_workers=6)
-    dm = SleepyDataModule(train_length=48, val_length=8, batch_size=4, batch_cost_s=0.02,
-                          dataset_kwargs={"fail_in_worker_above": 1})
+    dm = SleepyDataModule(
+        train_length=48, val_length=8, batch_size=4, batch_cost_s=0.02, dataset_kwargs={"fail_in_worker_above": 1}
+    )
     trainer = pl.Trainer(max_epochs=4, callbacks=[tuner], **trainer_kwargs)
     with pytest.warns(UserWarning, match="loader config failed") as record:
         trainer.fit(SleepStepModule(step_s=0.005), datamodule=dm)
@@ -228,8 +232,15 @@ def test_an_iterable_dataset_that_does_not_shard_keeps_its_workers_and_each_samp
 @pytest.mark.slow
 def test_an_iterable_dataset_that_shards_by_worker_is_tuned_and_drops_less_than_a_batch_per_worker(trainer_kwargs):
     model = SleepStepModule(step_s=0.002, record_indices=True)
-    dm = StreamData(stream=ShardedIterable, train_length=120, val_length=8, batch_size=4, batch_cost_s=0.02,
-                    num_workers=0, iterable_shards_by_worker=True)
+    dm = StreamData(
+        stream=ShardedIterable,
+        train_length=120,
+        val_length=8,
+        batch_size=4,
+        batch_cost_s=0.02,
+        num_workers=0,
+        iterable_shards_by_worker=True,
+    )
     tuner = DataLoaderTuner(first_decision_after=0, verbose=False, max_workers=3)
     pl.Trainer(max_epochs=3, callbacks=[tuner], **trainer_kwargs).fit(model, datamodule=dm)
     assert tuner.history[-1].config.num_workers > 0
@@ -373,8 +384,6 @@ def test_a_mid_epoch_switch_moves_validation_too_in_the_same_epoch(trainer_kwarg
     trainer.fit(model, datamodule=dm)
     assert SwitchAtBatch3.val_workers == [0]  # validation of that epoch already ran the new config
     assert sorted(model.train_indices[0]) == list(range(32)) and sorted(model.val_indices[0]) == list(range(8))
-
-
 
 
 @pytest.mark.slow

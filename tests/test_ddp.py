@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tb_events import scalars
 
 pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
@@ -19,8 +18,13 @@ def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, os.path.join(HELPERS, "ddp_fit.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HELPERS, "ddp_fit.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
     return out, ranks, proc.stdout + proc.stderr
@@ -58,8 +62,13 @@ def test_a_ddp_fit_resumed_mid_epoch_with_another_worker_count_sees_every_remain
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
     for phase, workers in (("first", 2), ("resume", 0)):
-        proc = subprocess.run([sys.executable, os.path.join(HELPERS, "ddp_resume_fit.py"), str(tmp_path), phase,
-                               str(workers)], env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, os.path.join(HELPERS, "ddp_resume_fit.py"), str(tmp_path), phase, str(workers)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     load = lambda phase, rank: json.load(open(tmp_path / f"{phase}-rank{rank}.json"))  # noqa: E731
     epoch_1 = []

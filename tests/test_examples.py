@@ -17,14 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `examples` is not installed: it lives next to the package
     sys.path.insert(0, str(REPO_ROOT))
 
-from examples.image_pipeline import (  # noqa: E402
-    MANIFEST,
-    MARKER,
-    JpegDataModule,
-    JpegFolderDataset,
-    SmallCNN,
-    make_jpeg_dataset,
-)
+from examples.image_pipeline import MANIFEST, MARKER, JpegDataModule, JpegFolderDataset, SmallCNN, make_jpeg_dataset  # noqa: E402
 from lightning_dltune import DataLoaderTuner  # noqa: E402
 
 
@@ -161,8 +154,12 @@ def test_datamodule_rejects_bad_arguments(tmp_path, kwargs, name):
 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
-    [({"num_classes": 1}, "num_classes"), ({"lr": 0.0}, "lr"), ({"emulate_step_ms": -5}, "emulate_step_ms"),
-     ({"width": 0}, "width")],
+    [
+        ({"num_classes": 1}, "num_classes"),
+        ({"lr": 0.0}, "lr"),
+        ({"emulate_step_ms": -5}, "emulate_step_ms"),
+        ({"width": 0}, "width"),
+    ],
 )
 def test_model_rejects_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
@@ -179,8 +176,9 @@ def test_generation_and_dataset_reject_bad_arguments(tmp_path, small_folder):
 
 
 def test_datamodule_splits_train_and_val_without_overlap(tmp_path):
-    dm = JpegDataModule(data_dir=str(tmp_path), num_images=60, image_size=32, crop_size=16, val_fraction=0.25,
-                        batch_size=8)
+    dm = JpegDataModule(
+        data_dir=str(tmp_path), num_images=60, image_size=32, crop_size=16, val_fraction=0.25, batch_size=8
+    )
     dm.prepare_data()
     dm.setup("fit")
     train = {path for path, _ in dm.train_dataset.samples}
@@ -192,8 +190,9 @@ def test_datamodule_splits_train_and_val_without_overlap(tmp_path):
 @pytest.mark.slow
 def test_fit_with_tuner_records_one_epoch_each_and_emulates_the_step(tmp_path):
     L.seed_everything(0)
-    dm = JpegDataModule(data_dir=str(tmp_path / "data"), num_images=120, image_size=48, crop_size=32,
-                        batch_size=16, num_workers=0)
+    dm = JpegDataModule(
+        data_dir=str(tmp_path / "data"), num_images=120, image_size=48, crop_size=32, batch_size=16, num_workers=0
+    )
     model = SmallCNN(width=8, emulate_step_ms=30.0)
     tuner = DataLoaderTuner()
     trainer = L.Trainer(
@@ -222,15 +221,40 @@ def test_fit_with_tuner_records_one_epoch_each_and_emulates_the_step(tmp_path):
 @pytest.mark.slow
 def test_plain_example_runs_as_a_script(tmp_path):
     env = {**os.environ, "DLTUNE_CACHE": str(tmp_path / "cache")}
-    help_run = subprocess.run([sys.executable, "examples/train_plain.py", "--help"], cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=60)
+    help_run = subprocess.run(
+        [sys.executable, "examples/train_plain.py", "--help"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert help_run.returncode == 0, help_run.stderr
     assert "--storage-latency-ms" in help_run.stdout
 
     run = subprocess.run(
-        [sys.executable, "-m", "examples.train_plain", "--epochs", "2", "--num-images", "64", "--limit-batches", "4", "--batch-size", "8",
-         "--emulate-step-ms", "5", "--log-dir", str(tmp_path / "logs")],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "examples.train_plain",
+            "--epochs",
+            "2",
+            "--num-images",
+            "64",
+            "--limit-batches",
+            "4",
+            "--batch-size",
+            "8",
+            "--emulate-step-ms",
+            "5",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "DataLoaderTuner history" in run.stdout
@@ -244,10 +268,20 @@ def test_datamodule_arguments_reach_lightning_cli(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["train"])  # only `args` below, not pytest's command line
     cli = LightningCLI(
-        SmallCNN, JpegDataModule, run=False,
-        args=["--data.batch_size=16", "--data.num_workers=1", "--data.prefetch_factor=3", "--data.num_images=64",
-              f"--data.data_dir={tmp_path}", "--model.width=8", "--seed_everything=0", "--trainer.logger=false",
-              f"--trainer.default_root_dir={tmp_path}"],
+        SmallCNN,
+        JpegDataModule,
+        run=False,
+        args=[
+            "--data.batch_size=16",
+            "--data.num_workers=1",
+            "--data.prefetch_factor=3",
+            "--data.num_images=64",
+            f"--data.data_dir={tmp_path}",
+            "--model.width=8",
+            "--seed_everything=0",
+            "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
     )
     dm = cli.datamodule
     assert (dm.batch_size, dm.num_images, dm.data_dir) == (16, 64, str(tmp_path))

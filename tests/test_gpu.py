@@ -146,8 +146,9 @@ class FakeNVML:
         return rates
 
     # test helpers
-    def emit(self, handle: FakeGPU, seconds: float, value: int, every_s: float = 0.2, others=(),
-             drop_idle: bool = False) -> None:
+    def emit(
+        self, handle: FakeGPU, seconds: float, value: int, every_s: float = 0.2, others=(), drop_idle: bool = False
+    ) -> None:
         """Advance the clock by ``seconds``; the device samples ``value`` % every ``every_s``.
 
         ``others``: ``(handle, value)`` pairs of other devices sampling over the same period.
@@ -683,7 +684,8 @@ def test_fit_leaves_validation_and_checkpoint_saving_out_of_gpu_util(monkeypatch
     nvml = LiveNVML(device)
     monkeypatch.setattr(gpu, "cuda_device_identity", lambda index: (GPU_A, device.bus_id))
     monkeypatch.setattr(
-        probe, "UtilizationSampler",
+        probe,
+        "UtilizationSampler",
         lambda dev, poll_interval_s: UtilizationSampler("cuda:0", nvml=nvml, poll_interval_s=poll_interval_s),
     )
 
@@ -718,8 +720,14 @@ def test_fit_leaves_validation_and_checkpoint_saving_out_of_gpu_util(monkeypatch
     data = TensorDataset(torch.randn(160, 4))
     tuner = DataLoaderTuner(tune=False, nvml_poll_interval_s=0.1, verbose=False, recommendation_file=False)
     trainer = pl.Trainer(
-        max_epochs=2, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path), num_sanity_val_steps=0,
-        enable_progress_bar=False, enable_model_summary=False, plugins=[SlowCheckpointIO()],
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path),
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[SlowCheckpointIO()],
         callbacks=[tuner, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)],
     )
     trainer.fit(Model(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=40))

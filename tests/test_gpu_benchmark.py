@@ -30,7 +30,10 @@ def quick_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gpu-bench")
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--quick", "--out", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 3: summary" in proc.stdout
@@ -70,16 +73,35 @@ def test_quick_cpu_run_writes_a_readable_markdown_report(quick_run):
 
 
 def _run(label, workers, fit_s, windows, tuned=False):
-    return {"label": label, "tuned": tuned, "start_workers": workers, "prefetch_factor": 2, "fit_s": fit_s,
-            "samples_per_s": 1000 / fit_s, "windows": windows, "final_config": {"num_workers": workers,
-                                                                               "prefetch_factor": 2}}
+    return {
+        "label": label,
+        "tuned": tuned,
+        "start_workers": workers,
+        "prefetch_factor": 2,
+        "fit_s": fit_s,
+        "samples_per_s": 1000 / fit_s,
+        "windows": windows,
+        "final_config": {"num_workers": workers, "prefetch_factor": 2},
+    }
 
 
 def _window(nvml, estimate, verdict, epoch=0):
-    return {"epoch": epoch, "end_batch": None, "batches": 100, "num_workers": 0, "prefetch_factor": 2,
-            "samples_per_s": 500.0, "nvml_util": nvml, "nvml_mode": "samples", "estimate": estimate,
-            "abs_nvml_minus_estimate": abs(nvml - estimate), "starvation_ratio": 1 - estimate,
-            "fetch_wait_ms": 1.0, "step_ms": 20.0, "verdict": verdict}
+    return {
+        "epoch": epoch,
+        "end_batch": None,
+        "batches": 100,
+        "num_workers": 0,
+        "prefetch_factor": 2,
+        "samples_per_s": 500.0,
+        "nvml_util": nvml,
+        "nvml_mode": "samples",
+        "estimate": estimate,
+        "abs_nvml_minus_estimate": abs(nvml - estimate),
+        "starvation_ratio": 1 - estimate,
+        "fetch_wait_ms": 1.0,
+        "step_ms": 20.0,
+        "verdict": verdict,
+    }
 
 
 def test_summary_compares_tuned_with_the_oracle_and_nvml_with_the_estimate():
@@ -87,8 +109,13 @@ def test_summary_compares_tuned_with_the_oracle_and_nvml_with_the_estimate():
         _run("static 0x2", 0, 60.0, [_window(0.10, 0.05, "data-bound (CPU saturated)")]),
         _run("static 8x2", 8, 20.0, [_window(0.80, 0.70, "data-bound (CPU saturated)")]),
         _run("static 16x2", 16, 19.8, [_window(0.95, 0.97, "in band")]),  # within 2 %: 8 is as fast and leaner
-        _run("tuned from 0 (first)", 0, 22.0, [_window(0.10, 0.05, "data-bound (I/O)"),
-                                                _window(0.60, 0.97, "compute-bound", epoch=1)], tuned=True),
+        _run(
+            "tuned from 0 (first)",
+            0,
+            22.0,
+            [_window(0.10, 0.05, "data-bound (I/O)"), _window(0.60, 0.97, "compute-bound", epoch=1)],
+            tuned=True,
+        ),
         _run("tuned from 0 (last)", 0, 24.0, [_window(0.93, 0.91, "in band")], tuned=True),
     ]
     summary = gpu_bench.summarize(runs)
@@ -103,9 +130,22 @@ def test_summary_compares_tuned_with_the_oracle_and_nvml_with_the_estimate():
     assert (verdicts["agree"], verdicts["windows"]) == (5, 6)
     assert (verdicts["tuned_agree"], verdicts["tuned_windows"]) == (2, 3)
     assert [d["verdict"] for d in verdicts["disagreements"]] == ["compute-bound"]
-    md = gpu_bench.render_markdown({"meta": {"mode": "full", "device": "cuda", "model": "m", "batch_size": 192,
-                                             "batches_per_epoch": 100, "epochs": 3, "precision": "bf16-mixed"},
-                                    "runs": runs, "summary": summary, "nvml_check": {"skipped": "test"}})
+    md = gpu_bench.render_markdown(
+        {
+            "meta": {
+                "mode": "full",
+                "device": "cuda",
+                "model": "m",
+                "batch_size": 192,
+                "batches_per_epoch": 100,
+                "epochs": 3,
+                "precision": "bf16-mixed",
+            },
+            "runs": runs,
+            "summary": summary,
+            "nvml_check": {"skipped": "test"},
+        }
+    )
     assert "verdicts agreeing with NVML: 5/6 windows (2/3 in the tuned fits)" in md
     assert "disagrees: tuned from 0 (first) epoch 1: compute-bound at NVML 0.60" in md
 
@@ -125,8 +165,13 @@ def test_check_gpu_without_cuda_exits_2_with_a_clear_message():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "check_gpu.py")], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "check_gpu.py")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stdout
 
@@ -180,9 +225,16 @@ def test_check_gpu_passes_every_check_against_a_faithful_fake_device(monkeypatch
     device = LiveGPU()
     device.timeline = [(0, 0)]
     nvml = LiveNVML(device)
-    for name in ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByPciBusId",
-                 "nvmlDeviceGetSamples", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMigMode",
-                 "nvmlDeviceIsMigDeviceHandle"):
+    for name in (
+        "nvmlInit",
+        "nvmlShutdown",
+        "nvmlDeviceGetHandleByUUID",
+        "nvmlDeviceGetHandleByPciBusId",
+        "nvmlDeviceGetSamples",
+        "nvmlDeviceGetUtilizationRates",
+        "nvmlDeviceGetMigMode",
+        "nvmlDeviceIsMigDeviceHandle",
+    ):
         monkeypatch.setattr(pynvml, name, getattr(nvml, name))
     monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda handle: handle.uuid)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetPciInfo", lambda handle: types.SimpleNamespace(busId=b"00000000:3B:00.0"))
@@ -201,9 +253,20 @@ def test_check_gpu_passes_every_check_against_a_faithful_fake_device(monkeypatch
     failed = [c for c in result["checks"] if not c["ok"]]
     assert result["passed"], failed
     names = " | ".join(c["name"] for c in result["checks"])
-    for expected in ("NVML UUID of the handle == GPU- + torch UUID", "PCI bus ids match", "matched by UUID",
-                     "samples mode is live", "sample values in 0-100", "nothing older", "idle sleep",
-                     "busy window", "idle window", "50 % duty cycle", "with the idle part paused", "without the pause"):
+    for expected in (
+        "NVML UUID of the handle == GPU- + torch UUID",
+        "PCI bus ids match",
+        "matched by UUID",
+        "samples mode is live",
+        "sample values in 0-100",
+        "nothing older",
+        "idle sleep",
+        "busy window",
+        "idle window",
+        "50 % duty cycle",
+        "with the idle part paused",
+        "without the pause",
+    ):
         assert expected in names
     accuracy = result["accuracy"]
     assert accuracy["busy/idle/busy"]["paused"] >= 0.9 and accuracy["busy/idle/busy"]["unpaused"] <= 0.75
@@ -215,9 +278,9 @@ def test_nvml_mode_per_window_is_read_back_from_the_logged_metrics(tmp_path):
     log.mkdir(parents=True)
     (log / "metrics.csv").write_text(
         "dltune/starvation_ratio,dltune/util_from_samples,epoch,step,train_loss\n"
-        ",,0,4,2.3\n"          # the model's own metrics: not a window
+        ",,0,4,2.3\n"  # the model's own metrics: not a window
         "0.5,1.0,,9,\n"
         "0.1,0.0,,19,\n"
-        "0.2,,,29,\n"          # a window measured by the estimate
+        "0.2,,,29,\n"  # a window measured by the estimate
     )
     assert gpu_bench._logged_nvml_modes(str(tmp_path), 4) == ["samples", "rates", None, None]

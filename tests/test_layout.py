@@ -62,7 +62,10 @@ def test_core_imports_only_the_standard_library_and_core_itself_transitively(mod
     outside_core = sorted(m for m in reached if not m.startswith(f"{ROOT}.core"))
     assert not outside_core, f"{module} reaches {outside_core}"
     foreign = sorted(
-        m for r in reached for m in _imports(r) if not m.startswith(ROOT) and m.split(".")[0] not in sys.stdlib_module_names
+        m
+        for r in reached
+        for m in _imports(r)
+        if not m.startswith(ROOT) and m.split(".")[0] not in sys.stdlib_module_names
     )
     assert not foreign, f"{module} (or a core module it imports) imports {foreign}: core is standard library only"
 
@@ -74,8 +77,7 @@ def test_no_import_cycle():
 
 def _private_paths(name: str) -> list[str]:
     return sorted(
-        m for m in _imports(name)
-        if not m.startswith(ROOT) and any(part.startswith("_") for part in m.split(".")[1:])
+        m for m in _imports(name) if not m.startswith(ROOT) and any(part.startswith("_") for part in m.split(".")[1:])
     )
 
 
@@ -86,8 +88,16 @@ def _private_attributes(name: str) -> set[str]:
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 found.add(node.attr)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr", "hasattr"):
-            if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and str(node.args[1].value).startswith("_"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+        ):
+            if (
+                len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and str(node.args[1].value).startswith("_")
+            ):
                 found.add(node.args[1].value)
     return found
 
@@ -99,9 +109,13 @@ def _internal_names() -> set[str]:
 @pytest.mark.parametrize("module", sorted(set(MODULES) - {TORCH_INTERNALS, LIGHTNING_INTERNALS}))
 def test_torch_and_lightning_internals_live_in_their_one_module_each(module):
     assert not _private_paths(module), f"{module} imports private modules {_private_paths(module)}"
-    lightning_private = sorted(m for m in _imports(module) if m.startswith(("lightning.pytorch.loops", "lightning.pytorch.trainer.connectors")))
+    lightning_private = sorted(
+        m for m in _imports(module) if m.startswith(("lightning.pytorch.loops", "lightning.pytorch.trainer.connectors"))
+    )
     assert not lightning_private, f"{module} imports Lightning's loops or connectors: {lightning_private}"
-    own = {n for node in ast.walk(TREES[module]) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) for n in [node.name]}
+    own = {
+        n for node in ast.walk(TREES[module]) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) for n in [node.name]
+    }
     leaked = sorted((_private_attributes(module) & _internal_names()) - own - _own_attributes(module))
     assert not leaked, f"{module} touches {leaked}, internals that belong in {TORCH_INTERNALS} or {LIGHTNING_INTERNALS}"
 
@@ -109,7 +123,8 @@ def test_torch_and_lightning_internals_live_in_their_one_module_each(module):
 def _own_attributes(name: str) -> set[str]:
     """Private attributes this module sets on ``self`` (its own state, not an internal of torch or Lightning)."""
     return {
-        node.attr for node in ast.walk(TREES[name])
+        node.attr
+        for node in ast.walk(TREES[name])
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
     }
 
@@ -138,5 +153,7 @@ def test_the_public_names_and_class_paths_users_wrote_still_import():
     from lightning_dltune.cli import main
     from lightning_dltune.datamodule import TunableDataModule
 
-    assert lightning_dltune.DataLoaderTuner is DataLoaderTuner and lightning_dltune.TunableDataModule is TunableDataModule
+    assert (
+        lightning_dltune.DataLoaderTuner is DataLoaderTuner and lightning_dltune.TunableDataModule is TunableDataModule
+    )
     assert callable(main) and lightning_dltune.LoaderConfig.__module__ == f"{ROOT}.core.config"

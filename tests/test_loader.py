@@ -6,17 +6,23 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import Callback
-
-from lightning_dltune import DataLoaderTuner, LoaderConfig
 from test_datamodule import AlternateConfigs, ShardedIterable, StreamData
 from workloads import SleepStepModule, SleepyDataModule
+
+from lightning_dltune import DataLoaderTuner, LoaderConfig
 
 
 @pytest.mark.slow
 def test_a_well_fed_iterable_loader_reports_its_queue_depth_and_few_stalls(trainer_kwargs):
     # cheap samples, 2 workers x prefetch 2, a 20 ms step: batches are nearly always ready
-    dm = StreamData(stream=ShardedIterable, train_length=160, val_length=8, batch_size=4, num_workers=2,
-                    iterable_shards_by_worker=True)
+    dm = StreamData(
+        stream=ShardedIterable,
+        train_length=160,
+        val_length=8,
+        batch_size=4,
+        num_workers=2,
+        iterable_shards_by_worker=True,
+    )
     tuner = DataLoaderTuner(tune=False, verbose=False)
     pl.Trainer(max_epochs=1, callbacks=[tuner], **trainer_kwargs).fit(SleepStepModule(step_s=0.02), datamodule=dm)
     stats = tuner.history[0].stats

@@ -8,10 +8,10 @@ cost; with W serial workers the steady-state period is max(step, cost / W).
 import lightning.pytorch as pl
 import pytest
 from torch.utils.data import DataLoader
+from workloads import SleepStepModule, SleepyDataModule, SleepyDataset, steady_truth
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.measure.meter import WindowMeter
-from workloads import SleepStepModule, SleepyDataModule, SleepyDataset, steady_truth
 
 BATCH = 4
 PREFETCH = 2
@@ -28,8 +28,13 @@ class PlainLoaderModule(SleepStepModule):
 
     def train_dataloader(self):
         ds = SleepyDataset(self.batches * BATCH, batch_cost_s=self.batch_cost_s)
-        return DataLoader(ds, batch_size=BATCH, num_workers=self.workers, persistent_workers=self.workers > 0,
-                          prefetch_factor=PREFETCH if self.workers else None)
+        return DataLoader(
+            ds,
+            batch_size=BATCH,
+            num_workers=self.workers,
+            persistent_workers=self.workers > 0,
+            prefetch_factor=PREFETCH if self.workers else None,
+        )
 
     def val_dataloader(self):
         return DataLoader(SleepyDataset(2 * BATCH), batch_size=BATCH)
@@ -48,8 +53,15 @@ def _fit(trainer_kwargs, workers, validation, plain=False, batches=BATCHES):
         model, dm = PlainLoaderModule(workers, cost, batches, step_s=step, val_step_s=val_step_s), None
     else:
         model = SleepStepModule(step_s=step, val_step_s=val_step_s)
-        dm = SleepyDataModule(train_length=batches * BATCH, val_length=2 * BATCH, batch_cost_s=cost,
-                              batch_size=BATCH, num_workers=workers, prefetch_factor=PREFETCH, shuffle=False)
+        dm = SleepyDataModule(
+            train_length=batches * BATCH,
+            val_length=2 * BATCH,
+            batch_cost_s=cost,
+            batch_size=BATCH,
+            num_workers=workers,
+            prefetch_factor=PREFETCH,
+            shuffle=False,
+        )
     trainer = pl.Trainer(max_epochs=1, callbacks=[tuner], **{**trainer_kwargs, **val_kwargs})
     trainer.fit(model, datamodule=dm)
     assert len(tuner.history) == 1

@@ -11,7 +11,7 @@ from lightning_dltune.nvml.device import describe_nvml_error, parse_device, read
 pynvml = pytest.importorskip("pynvml")
 
 
-def _sample(ts: int, **value) -> "pynvml.c_nvmlSample_t":
+def _sample(ts: int, **value) -> pynvml.c_nvmlSample_t:
     sample = pynvml.c_nvmlSample_t()
     sample.timeStamp = ts
     for field, v in value.items():

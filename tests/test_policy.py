@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import ast
 import math
-import pathlib
 from dataclasses import replace
 from typing import Optional
 
 import pytest
+from ground_truth import ping_pong, settled_correctly, steady_in_band, target, trail, within_budget
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pipeline_sim import Pipeline, simulate
 
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.history import RETRY_AFTER_WINDOWS, best_config, recall
 from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, EpochRecord, PolicySettings, ReasonKind, Verdict
 from lightning_dltune.core.stats import UtilSource, WindowStats
-from ground_truth import ping_pong, settled_correctly, steady_in_band, target, trail, within_budget
-from pipeline_sim import Pipeline, simulate
 from lightning_dltune.report.words import reason_text
 
 MB = 1 << 20

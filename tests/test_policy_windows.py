@@ -15,14 +15,14 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import pytest
+from ground_truth import ping_pong, settled_correctly, steady_in_band, target, trail, within_budget
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from pipeline_sim import Pipeline, simulate
 
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
-from ground_truth import ping_pong, settled_correctly, steady_in_band, target, trail, within_budget
-from pipeline_sim import Pipeline, simulate
 from lightning_dltune.report.words import reason_text
 
 MB = 1 << 20

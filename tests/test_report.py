@@ -10,15 +10,20 @@ from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.history import best_config
 from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, Reason, ReasonKind, Verdict, WindowRecord
-from lightning_dltune.report.recommendation import recommend
-from lightning_dltune.report.words import _WORDS, decision_markdown, window_line, reason_text, summary_table
 from lightning_dltune.core.stats import UtilSource, WindowStats
+from lightning_dltune.report.recommendation import recommend
+from lightning_dltune.report.words import _WORDS, decision_markdown, reason_text, summary_table, window_line
 
 
 def window(fetch_ms: float, step_ms: float = 10, batches: int = 100, **fields) -> WindowStats:
     return WindowStats(
-        batches=batches, samples=32 * batches, fetch_wait_total_s=fetch_ms / 1e3 * batches,
-        step_total_s=step_ms / 1e3 * batches, stalls=batches, fetches=batches, **fields,
+        batches=batches,
+        samples=32 * batches,
+        fetch_wait_total_s=fetch_ms / 1e3 * batches,
+        step_total_s=step_ms / 1e3 * batches,
+        stalls=batches,
+        fetches=batches,
+        **fields,
     )
 
 
@@ -34,8 +39,9 @@ def test_every_reason_kind_has_words():
 def test_a_reason_is_worded_with_its_numbers():
     decision = decide(LoaderConfig(), window(41, worker_batch_s=0.041, worker_cpu_fraction=0.1), Budget(32, cpus=64))
     text = reason_text(decision.reason)
-    assert text == ("starved 80% with 0 workers; a worker needs 41 ms per batch vs a 10 ms step (hook to hook):"
-                    " 5 workers")
+    assert text == (
+        "starved 80% with 0 workers; a worker needs 41 ms per batch vs a 10 ms step (hook to hook): 5 workers"
+    )
     assert reason_text(decision.reason) == text
 
 
@@ -64,8 +70,9 @@ def test_the_best_config_is_the_leanest_within_min_gain_of_the_best_median():
 
 def decided(stats: WindowStats, config: LoaderConfig = LoaderConfig(), **where) -> WindowRecord:
     decision = decide(config, stats, Budget(32, cpus=64))
-    return WindowRecord(0, config, stats, decision.verdict, decision.reason, decision.config,
-                        judged_util=decision.judged_util, **where)
+    return WindowRecord(
+        0, config, stats, decision.verdict, decision.reason, decision.config, judged_util=decision.judged_util, **where
+    )
 
 
 def nvml(stats: WindowStats, util: float) -> WindowStats:
@@ -75,8 +82,9 @@ def nvml(stats: WindowStats, util: float) -> WindowStats:
 def test_the_console_line_is_short_and_the_reason_comes_at_verbose_2():
     r = decided(window(41, worker_batch_s=0.041, worker_cpu_fraction=0.1), end_batch=10, step=10)
     line = window_line(r, tuning=True)
-    assert line == ("[dltune] epoch 0 to batch 10 | workers 0 -> 5, prefetch 2 | GPU busy 20% (estimate)"
-                    " | data-bound (I/O)")
+    assert line == (
+        "[dltune] epoch 0 to batch 10 | workers 0 -> 5, prefetch 2 | GPU busy 20% (estimate) | data-bound (I/O)"
+    )
     first, second = window_line(r, tuning=True, verbose=2).split("\n")
     assert first == line
     assert "samples/s" in second and "step 10 ms (hook to hook)" in second and second.endswith(reason_text(r.reason))

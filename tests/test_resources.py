@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections import namedtuple
 
 import pytest
 
 from lightning_dltune.control import resources
-from lightning_dltune.core.policy import Budget
 from lightning_dltune.control.resources import (
     local_world_size,
     memory_budget_bytes,
@@ -17,6 +15,7 @@ from lightning_dltune.control.resources import (
     shm_free_bytes,
     usable_cpus,
 )
+from lightning_dltune.core.policy import Budget
 
 GiB = 1024**3
 V1_UNLIMITED = "9223372036854771712"
@@ -260,8 +259,7 @@ def test_rank_budget_max_workers_override(node):
 
 
 @pytest.mark.parametrize(
-    ("cpus_per_rank", "workers"),
-    [(0.2, 0), (0.5, 1), (1.0, 3), (2.0, 7), (3.0, 11), (12.0, 47), (32.0, 64)],
+    ("cpus_per_rank", "workers"), [(0.2, 0), (0.5, 1), (1.0, 3), (2.0, 7), (3.0, 11), (12.0, 47), (32.0, 64)]
 )
 def test_worker_cap_leaves_room_for_io_bound_workers_and_the_training_process(cpus_per_rank, workers):
     assert resources._workers_for(cpus_per_rank) == workers

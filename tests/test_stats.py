@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.measure.distributed import pack, reduce_across_ranks, unpack
 from lightning_dltune.core.history import recall
 from lightning_dltune.core.model import PipelineModel
 from lightning_dltune.core.records import Budget, PolicySettings, Reason, ReasonKind, Verdict, WindowRecord
-from lightning_dltune.report.words import reason_text
 from lightning_dltune.core.stats import (
     Pool,
     Reduce,
@@ -26,12 +24,19 @@ from lightning_dltune.core.stats import (
     stat,
     to_dict,
 )
+from lightning_dltune.measure.distributed import pack, reduce_across_ranks, unpack
+from lightning_dltune.report.words import reason_text
 
 
 def window(fetch_ms: float, step_ms: float, batches: int = 100, **fields) -> WindowStats:
     return WindowStats(
-        batches=batches, samples=32 * batches, fetch_wait_total_s=fetch_ms / 1e3 * batches,
-        step_total_s=step_ms / 1e3 * batches, stalls=batches, fetches=batches, **fields,
+        batches=batches,
+        samples=32 * batches,
+        fetch_wait_total_s=fetch_ms / 1e3 * batches,
+        step_total_s=step_ms / 1e3 * batches,
+        stalls=batches,
+        fetches=batches,
+        **fields,
     )
 
 
@@ -97,8 +102,10 @@ def test_a_field_declared_in_one_place_is_pooled_reduced_and_saved():
     # a new measurement, declared once: summed over windows, the most starved rank's across ranks
     Extended = dataclasses.make_dataclass(
         "Extended",
-        [("decode_errors", int, stat(0, Pool.SUM, Reduce.MAX)),
-         ("shard_latency_s", Optional[float], stat(None, Pool.MEAN, Reduce.WORST))],
+        [
+            ("decode_errors", int, stat(0, Pool.SUM, Reduce.MAX)),
+            ("shard_latency_s", Optional[float], stat(None, Pool.MEAN, Reduce.WORST)),
+        ],
         bases=(WindowStats,),
         frozen=True,
     )
@@ -120,8 +127,14 @@ def test_a_field_declared_in_one_place_is_pooled_reduced_and_saved():
 
 
 def test_saved_stats_load_from_older_checkpoints():
-    old = {"batches": 10, "samples": 40, "fetch_wait_s": 0.5, "step_s": 1.5, "util_source": "estimate",
-           "dropped_field": 1}
+    old = {
+        "batches": 10,
+        "samples": 40,
+        "fetch_wait_s": 0.5,
+        "step_s": 1.5,
+        "util_source": "estimate",
+        "dropped_field": 1,
+    }
     stats = from_dict(WindowStats, old)
     assert stats.fetch_wait_total_s == 0.5 and stats.step_total_s == 1.5
     assert stats.fetch_wait_s == 0.5 and stats.step_s == 1.5  # the old names still read
@@ -130,8 +143,19 @@ def test_saved_stats_load_from_older_checkpoints():
 
 def test_a_record_round_trips_through_plain_values():
     stats = window(3, 10, gpu_util=0.8, util_source=UtilSource.NVML, main_cpu_fraction=0.4)
-    reason = Reason(ReasonKind.MORE_WORKERS, {"starvation": 0.2, "windows": 1, "workers": 0, "batch_s": 0.04,
-                                              "step_s": 0.01, "to_workers": 5, "prefetch": 2, "to_prefetch": 2})
+    reason = Reason(
+        ReasonKind.MORE_WORKERS,
+        {
+            "starvation": 0.2,
+            "windows": 1,
+            "workers": 0,
+            "batch_s": 0.04,
+            "step_s": 0.01,
+            "to_workers": 5,
+            "prefetch": 2,
+            "to_prefetch": 2,
+        },
+    )
     record = WindowRecord(3, LoaderConfig(), stats, Verdict.DATA_BOUND_IO, reason, LoaderConfig(num_workers=5))
     saved = record.to_dict()
     plain = (int, float, str, bool, type(None), dict, list, tuple)

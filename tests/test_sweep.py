@@ -14,9 +14,8 @@ import time
 import psutil
 import pytest
 import yaml
+from dltune_command import DLTUNE_SCRIPT, REPO, command_env, run_script
 
-from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.policy import Budget
 from lightning_dltune.cli.sweep import (
     SweepPoint,
     build_grid,
@@ -28,7 +27,8 @@ from lightning_dltune.cli.sweep import (
     predicted_starvation,
     steady_rate,
 )
-from dltune_command import DLTUNE_SCRIPT, REPO, command_env, run_script
+from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.policy import Budget
 
 SMALL = ["--data.init_args.num_images", "160", "--data.init_args.batch_size", "8"]
 
@@ -39,8 +39,23 @@ def swept(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
     out = tmp / "out"
     started = time.perf_counter()
-    proc = run_script("sweep", "--config", "configs/demo.yaml", *SMALL, "--steps", "4", "--workers", "[0,1,2]",
-                      "--prefetch", "[1,2]", "--seconds-per-point", "0.5", "--out", str(out), tmp=tmp)
+    proc = run_script(
+        "sweep",
+        "--config",
+        "configs/demo.yaml",
+        *SMALL,
+        "--steps",
+        "4",
+        "--workers",
+        "[0,1,2]",
+        "--prefetch",
+        "[1,2]",
+        "--seconds-per-point",
+        "0.5",
+        "--out",
+        str(out),
+        tmp=tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp, out, proc.stdout, time.perf_counter() - started
 
@@ -98,8 +113,16 @@ def test_sweep_recommendation_round_trips_through_dltune_fit(swept):
 
 @pytest.mark.slow
 def test_sweep_with_a_bad_class_path_exits_2_naming_the_key(tmp_path):
-    proc = run_script("sweep", "--config", "configs/demo.yaml", "--data.class_path", "examples.nowhere.Data",
-                      "--out", str(tmp_path / "out"), tmp=tmp_path)
+    proc = run_script(
+        "sweep",
+        "--config",
+        "configs/demo.yaml",
+        "--data.class_path",
+        "examples.nowhere.Data",
+        "--out",
+        str(tmp_path / "out"),
+        tmp=tmp_path,
+    )
     assert proc.returncode == 2
     assert "data" in proc.stderr and "examples.nowhere.Data" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -109,10 +132,14 @@ def test_sweep_with_a_bad_class_path_exits_2_naming_the_key(tmp_path):
 @pytest.mark.slow
 def test_sweep_needs_a_tunable_datamodule_and_says_so_with_exit_2(tmp_path):
     config = tmp_path / "boring.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"class_path": "lightning.pytorch.demos.boring_classes.BoringModel"},
-        "data": {"class_path": "lightning.pytorch.demos.boring_classes.BoringDataModule"},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"class_path": "lightning.pytorch.demos.boring_classes.BoringModel"},
+                "data": {"class_path": "lightning.pytorch.demos.boring_classes.BoringDataModule"},
+            }
+        )
+    )
     proc = run_script("sweep", "--config", str(config), "--out", str(tmp_path / "out"), tmp=tmp_path)
     assert proc.returncode == 2 and "TunableDataModule" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -121,8 +148,17 @@ def test_sweep_needs_a_tunable_datamodule_and_says_so_with_exit_2(tmp_path):
 def test_sweep_help_lists_its_options_and_the_fit_config(tmp_path):
     proc = run_script("sweep", "--help", tmp=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: dltune sweep")
-    for option in ("--step-ms", "--steps", "--seconds-per-point", "--workers", "--prefetch", "--min-gain", "--out",
-                   "--config", "--data"):
+    for option in (
+        "--step-ms",
+        "--steps",
+        "--seconds-per-point",
+        "--workers",
+        "--prefetch",
+        "--min-gain",
+        "--out",
+        "--config",
+        "--data",
+    ):
         assert option in proc.stdout, option
 
 
@@ -136,9 +172,28 @@ def test_sweep_with_a_bad_option_exits_2_naming_it(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupting_the_sweep_leaves_no_worker_behind(tmp_path, signum):
     proc = subprocess.Popen(
-        [str(DLTUNE_SCRIPT), "sweep", "--config", "configs/demo.yaml", *SMALL, "--step-ms", "30", "--workers", "[2,3]",
-         "--prefetch", "[2]", "--seconds-per-point", "60", "--out", str(tmp_path / "out")],
-        cwd=REPO, env=command_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(DLTUNE_SCRIPT),
+            "sweep",
+            "--config",
+            "configs/demo.yaml",
+            *SMALL,
+            "--step-ms",
+            "30",
+            "--workers",
+            "[2,3]",
+            "--prefetch",
+            "[2]",
+            "--seconds-per-point",
+            "60",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        env=command_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         workers: list = []
@@ -201,8 +256,18 @@ def test_predicted_starvation_hides_the_loader_behind_the_step_only_with_workers
 
 
 def point(workers: int, prefetch: int, fit_samples_per_s: float, pin: bool = False, loader: float = 0.0) -> SweepPoint:
-    return SweepPoint(LoaderConfig(workers, prefetch, pin), loader or fit_samples_per_s, 10, 1.0, 0.1, 0.5, 1e8, 0.0,
-                      0.0, fit_samples_per_s)
+    return SweepPoint(
+        LoaderConfig(workers, prefetch, pin),
+        loader or fit_samples_per_s,
+        10,
+        1.0,
+        0.1,
+        0.5,
+        1e8,
+        0.0,
+        0.0,
+        fit_samples_per_s,
+    )
 
 
 def test_predicted_fit_rate_is_bounded_by_the_step():
@@ -250,8 +315,14 @@ def test_a_point_asked_to_stop_ends_at_the_next_batch_with_its_workers_shut_down
             raise KeyboardInterrupt("signal 2")
 
     with pytest.raises(KeyboardInterrupt):
-        measure_point(datamodule_loaders(dm), LoaderConfig(num_workers=2), seconds=60, step_s=0.01, batch_size=4,
-                      stop=stop_after_ten)
+        measure_point(
+            datamodule_loaders(dm),
+            LoaderConfig(num_workers=2),
+            seconds=60,
+            step_s=0.01,
+            batch_size=4,
+            stop=stop_after_ten,
+        )
     assert len(calls) == 11
     deadline = time.monotonic() + 10  # shut down by the point itself, not left to torch's watchdog
     left = set(psutil.Process().children(recursive=True)) - before

@@ -95,8 +95,12 @@ def test_a_killed_worker_is_a_machinery_failure():
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize(
     "error",
-    [FileNotFoundError("/data/x.jpg"), MemoryError("decoder"), RuntimeError("no shm left for my cache"),
-     OSError(28, "No space left on device")],
+    [
+        FileNotFoundError("/data/x.jpg"),
+        MemoryError("decoder"),
+        RuntimeError("no shm left for my cache"),
+        OSError(28, "No space left on device"),
+    ],
 )
 def test_the_users_own_errors_are_never_machinery_failures(workers, error):
     loader = DataLoader(Indices(40, raise_at=(5, error)), batch_size=4, num_workers=workers)
@@ -113,7 +117,7 @@ def test_a_users_collate_or_worker_init_error_is_not_a_machinery_failure():
         raise RuntimeError("unable to allocate shared memory(shm): my own message")
 
     for kwargs in ({"worker_init_fn": bad_init}, {"collate_fn": bad_collate}):
-        exc = _caught(lambda: list(DataLoader(Indices(8), batch_size=4, num_workers=1, **kwargs)))
+        exc = _caught(lambda kwargs=kwargs: list(DataLoader(Indices(8), batch_size=4, num_workers=1, **kwargs)))
         assert not is_machinery_failure(exc), exc
 
 
@@ -135,8 +139,12 @@ def test_a_switch_is_confirmed_after_its_batches_and_then_detaches():
 def test_a_worker_killed_after_the_first_batches_rolls_back_with_every_sample_once():
     rolled = []
     loader = build_loader(Indices(40, kill_in_worker_at=21), LoaderConfig(num_workers=0), batch_size=4)
-    LoaderSwitch(loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=0),
-                 on_rollback=lambda s, e: rolled.append(s.target.num_workers))
+    LoaderSwitch(
+        loader,
+        LoaderConfig(num_workers=2),
+        LoaderConfig(num_workers=0),
+        on_rollback=lambda s, e: rolled.append(s.target.num_workers),
+    )
     seen = [i for b in loader for i in b.tolist()]
     assert seen == list(range(40))  # the batches the dead worker held came again, in order
     # torch reports the death as it finds it (a RuntimeError, or a reset connection mid-transfer)
@@ -160,8 +168,15 @@ def test_a_worker_killed_after_its_config_was_confirmed_is_torchs_own_error(trai
 
     # the start config (1 worker) delivers its confirming batches; a few batches later its worker is killed
     kill_batch = CONFIRM_AFTER_BATCHES + 6  # past the batches a worker prefetches
-    dm = KilledData(kill_from=kill_batch * 4, above=0, train_length=(kill_batch + 10) * 4, val_length=8,
-                    batch_size=4, shuffle=False, num_workers=1)
+    dm = KilledData(
+        kill_from=kill_batch * 4,
+        above=0,
+        train_length=(kill_batch + 10) * 4,
+        val_length=8,
+        batch_size=4,
+        shuffle=False,
+        num_workers=1,
+    )
     model = SleepStepModule(record_indices=True)
     # tuning, with rollback armed, but no change of config: the start config is confirmed, then its worker dies
     tuner = DataLoaderTuner(max_rebuilds=0, verbose=False)
@@ -179,8 +194,9 @@ def test_a_worker_killed_after_its_config_was_confirmed_is_torchs_own_error(trai
 def _small_shm_available() -> bool:
     if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True)
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True
+    )
     return probe.returncode == 0
 
 
@@ -191,11 +207,12 @@ needs_small_shm = pytest.mark.skipif(
 
 def run_with_small_shm(script: str, shm: str = "8m", timeout: float = 300) -> dict:
     """Runs ``script`` in a private mount namespace whose /dev/shm is a ``shm`` tmpfs; returns its JSON."""
-    command = f"mount -t tmpfs -o size={shm} tmpfs /dev/shm && exec {sys.executable} -c \"$SCRIPT\""
+    command = f'mount -t tmpfs -o size={shm} tmpfs /dev/shm && exec {sys.executable} -c "$SCRIPT"'
     env = {**os.environ, "SCRIPT": textwrap.dedent(script), "PYTHONPATH": HELPERS}
     with tempfile.TemporaryDirectory() as cwd:  # whatever the fit writes stays out of the checkout
-        done = subprocess.run(["unshare", "-m", "sh", "-c", command], capture_output=True, text=True, env=env,
-                              timeout=timeout, cwd=cwd)
+        done = subprocess.run(
+            ["unshare", "-m", "sh", "-c", command], capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -301,7 +318,8 @@ class HangsInWorkers(Indices):
 def test_a_worker_that_hangs_during_a_switch_times_out_and_rolls_back_when_the_loader_has_a_timeout():
     rolled = []
     loader = build_loader(HangsInWorkers(40), LoaderConfig(num_workers=0), batch_size=4, timeout=2)
-    LoaderSwitch(loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=0),
-                 on_rollback=lambda s, e: rolled.append(str(e)))
+    LoaderSwitch(
+        loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=0), on_rollback=lambda s, e: rolled.append(str(e))
+    )
     assert [i for b in loader for i in b.tolist()] == list(range(40))
     assert len(rolled) == 1 and "timed out" in rolled[0]

@@ -5,11 +5,11 @@ import re
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
+from tb_events import layout, scalars, texts
+from workloads import SleepStepModule, SleepyDataModule
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.report.tensorboard import DETAIL, HEADLINE, custom_scalars_layout, layout_tags
-from tb_events import layout, scalars, texts
-from workloads import SleepStepModule, SleepyDataModule
 
 UNITS = [  # (tag pattern, unit): what a user reads off the y axis
     (r"(gpu_util|gpu_util_judged|band_low|band_high|starvation_ratio|stall_fraction)$", "fraction"),
@@ -40,7 +40,11 @@ def test_every_chart_has_one_unit_and_the_headline_comes_first(recent):
     kind, first_patterns = next(iter(charts[HEADLINE].values()))
     everything = layout_tags(recent=recent)
     assert kind == "Multiline" and [drawn(p, everything) for p in first_patterns] == [
-        ["dltune/gpu_util"], ["dltune/gpu_util_judged"], ["dltune/band_low"], ["dltune/band_high"]]
+        ["dltune/gpu_util"],
+        ["dltune/gpu_util_judged"],
+        ["dltune/band_low"],
+        ["dltune/band_high"],
+    ]
     for category in charts.values():
         for title, (_, patterns) in category.items():
             tags = [t for p in patterns for t in drawn(p, everything)]
@@ -58,7 +62,8 @@ def test_recent_series_do_not_share_a_prefix_with_the_window_step_times():
     tags = layout_tags(recent=True)
     assert [t for t in tags if t.startswith("dltune/step")] == ["dltune/step_ms", "dltune/step_p95_ms"]
     assert {t for t in tags if t.startswith("dltune/recent/")} == {
-        "dltune/recent/" + n for n in ("starvation_ratio", "samples_per_s", "fetch_wait_ms", "step_ms", "stalls")}
+        "dltune/recent/" + n for n in ("starvation_ratio", "samples_per_s", "fetch_wait_ms", "step_ms", "stalls")
+    }
 
 
 class EpochLoggingModule(SleepStepModule):
@@ -78,9 +83,17 @@ def windowed_fit(tmp_path_factory):
     tuner = DataLoaderTuner(first_decision_after=3, log_every_n_steps=4, verbose=False)
     dm = SleepyDataModule(train_length=48, val_length=8, batch_cost_s=0.004, batch_size=4)
     trainer = pl.Trainer(
-        max_epochs=3, callbacks=[tuner], logger=TensorBoardLogger(str(tmp / "tb")), log_every_n_steps=4,
-        default_root_dir=str(tmp), accelerator="cpu", devices=1, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+        max_epochs=3,
+        callbacks=[tuner],
+        logger=TensorBoardLogger(str(tmp / "tb")),
+        log_every_n_steps=4,
+        default_root_dir=str(tmp),
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(EpochLoggingModule(step_s=0.002), datamodule=dm)
     return str(tmp / "tb"), tuner

@@ -28,9 +28,9 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
+from workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 
 from lightning_dltune import DataLoaderTuner
-from workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 
 pytestmark = pytest.mark.slow  # real fits, one per row
 
@@ -80,13 +80,24 @@ def make_data(**kwargs: Any) -> SleepyDataModule:
     return SleepyDataModule(**kwargs)
 
 
-def fit(tmp_path: Path, model: pl.LightningModule, data: Any = None, tuner: DataLoaderTuner | None = None,
-        **trainer_kwargs: Any) -> tuple[pl.Trainer, DataLoaderTuner]:
+def fit(
+    tmp_path: Path,
+    model: pl.LightningModule,
+    data: Any = None,
+    tuner: DataLoaderTuner | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[pl.Trainer, DataLoaderTuner]:
     tuner = tuner or make_tuner()
     settings: dict[str, Any] = dict(
-        default_root_dir=str(tmp_path), accelerator="cpu", devices=1, max_epochs=2,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        num_sanity_val_steps=0, logger=CSVLogger(str(tmp_path / "logs"), name="run"),
+        default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(str(tmp_path / "logs"), name="run"),
     )
     settings.update(trainer_kwargs)
     callbacks = [tuner] + list(settings.pop("callbacks", []))
@@ -258,7 +269,9 @@ def test_reload_dataloaders_every_n_epochs(tmp_path, workdir, reload):
     assert tuner.history[-1].num_workers == tuner.history[-2].next_config.num_workers
 
 
-ROWS["test_reload_dataloaders_every_n_epochs"] = "`reload_dataloaders_every_n_epochs` (1 and 2)|samples once, tuned config kept"
+ROWS["test_reload_dataloaders_every_n_epochs"] = (
+    "`reload_dataloaders_every_n_epochs` (1 and 2)|samples once, tuned config kept"
+)
 
 
 class TwoLoaderData(SleepyDataModule):
@@ -268,8 +281,11 @@ class TwoLoaderData(SleepyDataModule):
 
     def train_dataloader(self):
         if self.plain:  # loaders the tuner did not build: timed around Lightning's combined fetch
-            make = lambda: DataLoader(SleepyDataset(TRAIN, batch_cost_s=BATCH_COST_S), batch_size=BATCH,  # noqa: E731
-                                      drop_last=True)
+            make = lambda: DataLoader(
+                SleepyDataset(TRAIN, batch_cost_s=BATCH_COST_S),
+                batch_size=BATCH,  # noqa: E731
+                drop_last=True,
+            )
             return {"a": make(), "b": make()}
         first = super().train_dataloader()
         second = self.build_loader(SleepyDataset(TRAIN, batch_cost_s=BATCH_COST_S), train=True)
@@ -295,8 +311,9 @@ def test_two_train_loaders(tmp_path, workdir, plain):
     assert stats.samples == 2 * TRAIN
 
 
-ROWS["test_two_train_loaders"] = ("two train loaders (a dict: `CombinedLoader`), ours and plain|starvation and "
-                                  "samples/s against truth")
+ROWS["test_two_train_loaders"] = (
+    "two train loaders (a dict: `CombinedLoader`), ours and plain|starvation and samples/s against truth"
+)
 
 
 class IterData(SleepyDataModule):
@@ -326,8 +343,12 @@ class SleepyStream(IterableDataset):
 @pytest.mark.parametrize("sharded", [False, True], ids=["not-sharded", "sharded"])
 def test_iterable_datasets(tmp_path, workdir, sharded):
     model = SleepStepModule(step_s=STEP_S, record_indices=True)
-    _, tuner = fit(tmp_path, model, IterData(sharded, train_length=TRAIN, val_length=VAL, batch_size=BATCH,
-                                             batch_cost_s=0), max_epochs=3)
+    _, tuner = fit(
+        tmp_path,
+        model,
+        IterData(sharded, train_length=TRAIN, val_length=VAL, batch_size=BATCH, batch_cost_s=0),
+        max_epochs=3,
+    )
     workers = {r.num_workers for r in tuner.history}
     assert workers == {0} if not sharded else max(workers) > 0  # a stream that does not shard keeps its start
     for seen in model.train_indices:
@@ -336,8 +357,10 @@ def test_iterable_datasets(tmp_path, workdir, sharded):
         assert len(seen) >= TRAIN - max(workers) * (BATCH - 1)
 
 
-ROWS["test_iterable_datasets"] = ("`IterableDataset`, sharded by worker and not|samples at most once; workers held "
-                                  "unless `iterable_shards_by_worker=True`")
+ROWS["test_iterable_datasets"] = (
+    "`IterableDataset`, sharded by worker and not|samples at most once; workers held "
+    "unless `iterable_shards_by_worker=True`"
+)
 
 
 Pair = namedtuple("Pair", ["x", "index"])
@@ -356,7 +379,9 @@ class ShapedDataset(SleepyDataset):
 
     def __getitem__(self, index: int) -> Any:
         x = self._sample(index)
-        return {"dict": {"x": x, "index": index}, "namedtuple": Pair(x, index), "dataclass": Sample(x, index)}[self.shape]
+        return {"dict": {"x": x, "index": index}, "namedtuple": Pair(x, index), "dataclass": Sample(x, index)}[
+            self.shape
+        ]
 
 
 class ShapedData(SleepyDataModule):
@@ -388,8 +413,14 @@ class ShapedModule(SleepStepModule):
 @pytest.mark.parametrize("shape", ["dict", "namedtuple", "dataclass"])
 def test_batch_shapes(tmp_path, workdir, shape):
     model = ShapedModule(step_s=STEP_S, record_indices=True)
-    data = ShapedData(shape, train_length=TRAIN, val_length=VAL, batch_size=BATCH, batch_cost_s=BATCH_COST_S,
-                      loader_kwargs={"collate_fn": collate_samples})
+    data = ShapedData(
+        shape,
+        train_length=TRAIN,
+        val_length=VAL,
+        batch_size=BATCH,
+        batch_cost_s=BATCH_COST_S,
+        loader_kwargs={"collate_fn": collate_samples},
+    )
     trainer, tuner = fit(tmp_path, model, data)
     check_train_once(model, TRAIN, 2)
     check_tuned(trainer, tuner)
@@ -437,8 +468,14 @@ class PlainData(pl.LightningDataModule):
 def test_dataloader_iter(tmp_path, workdir, plain):
     model = IterStepModule(step_s=STEP_S, record_indices=True)
     clock = EpochClock()
-    trainer, tuner = fit(tmp_path, model, PlainData() if plain else make_data(), tuner=make_tuner(tune=False),
-                         max_epochs=1, callbacks=[clock])
+    trainer, tuner = fit(
+        tmp_path,
+        model,
+        PlainData() if plain else make_data(),
+        tuner=make_tuner(tune=False),
+        max_epochs=1,
+        callbacks=[clock],
+    )
     check_train_once(model, TRAIN, 1)
     records = tuner.history
     samples = sum(r.stats.samples for r in records)
@@ -451,8 +488,9 @@ def test_dataloader_iter(tmp_path, workdir, plain):
     assert fetch >= TRAIN // BATCH * BATCH_COST_S * 0.9 and busy - fetch < fetch  # a 12 ms fetch, a 2 ms step
 
 
-ROWS["test_dataloader_iter"] = ("`training_step(self, dataloader_iter)`, ours and plain loaders|batch size, fetch wait "
-                                "and samples/s against truth")
+ROWS["test_dataloader_iter"] = (
+    "`training_step(self, dataloader_iter)`, ours and plain loaders|batch size, fetch wait and samples/s against truth"
+)
 
 
 # ------------------------------------------------------------------------------------------------ fits and resumes
@@ -486,9 +524,16 @@ def test_resume_then_validate_test_predict(tmp_path, workdir):
     tuned = tuner.history[-1].next_config
     data = make_data()
     tuner2 = make_tuner()
-    trainer2, _ = fit(tmp_path, SleepStepModule(step_s=STEP_S), data, tuner=tuner2, max_epochs=3,
-                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)],
-                      enable_checkpointing=True, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    trainer2, _ = fit(
+        tmp_path,
+        SleepStepModule(step_s=STEP_S),
+        data,
+        tuner=tuner2,
+        max_epochs=3,
+        callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)],
+        enable_checkpointing=True,
+        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
+    )
     assert trainer2.current_epoch == 3
     assert tuner2.history[-1].epoch == 2 and tuner2.history[-1].num_workers == tuned.num_workers
     trainer2.validate(datamodule=data)
@@ -505,8 +550,14 @@ def test_early_stopping_and_checkpoint(tmp_path, workdir):
             self.log("val_loss", 1.0)  # never improves: stops after `patience` epochs
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_loss")
-    trainer, tuner = fit(tmp_path, ValLoss(step_s=STEP_S), make_data(), max_epochs=10, enable_checkpointing=True,
-                         callbacks=[EarlyStopping("val_loss", patience=1), ckpt])
+    trainer, tuner = fit(
+        tmp_path,
+        ValLoss(step_s=STEP_S),
+        make_data(),
+        max_epochs=10,
+        enable_checkpointing=True,
+        callbacks=[EarlyStopping("val_loss", patience=1), ckpt],
+    )
     assert trainer.current_epoch < 10
     saved = torch.load(ckpt.best_model_path, weights_only=False)
     state = next(v for k, v in saved["callbacks"].items() if k.startswith("DataLoaderTuner"))
@@ -539,8 +590,15 @@ class RecordingRich(Recording, RichProgressBar):
 @pytest.mark.parametrize("bar", [RecordingTQDM, RecordingRich], ids=["tqdm", "rich"])
 def test_progress_bars(tmp_path, workdir, bar):
     progress = bar()
-    fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=make_tuner(verbose=True),
-        enable_progress_bar=True, callbacks=[progress], max_epochs=1)
+    fit(
+        tmp_path,
+        SleepStepModule(step_s=STEP_S),
+        make_data(),
+        tuner=make_tuner(verbose=True),
+        enable_progress_bar=True,
+        callbacks=[progress],
+        max_epochs=1,
+    )
     assert any("[dltune]" in line for line in progress.printed)
 
 
@@ -557,8 +615,15 @@ def test_ddp_spawn(tmp_path, workdir):
 
     tuner = make_tuner()
     try:
-        fit(tmp_path, SleepStepModule(step_s=STEP_S), make_data(), tuner=tuner, strategy="ddp_spawn", devices=2,
-            max_epochs=1)
+        fit(
+            tmp_path,
+            SleepStepModule(step_s=STEP_S),
+            make_data(),
+            tuner=tuner,
+            strategy="ddp_spawn",
+            devices=2,
+            max_epochs=1,
+        )
     except ProcessExitedException as exc:
         # after the fit, a rank other than zero can abort at its exit on a loaded machine, in torch's gloo
         # threads ("terminate called without an active exception"; Lightning leaves the process group up):
@@ -594,21 +659,46 @@ def test_users_own_cli_accepts_the_recommendation(tmp_path, workdir):
     script = tmp_path / "train.py"
     script.write_text(USER_CLI.format(tests=str(Path(__file__).parent / "helpers")))
     config = tmp_path / "cfg.yaml"
-    config.write_text(yaml.safe_dump({
-        "trainer": {"max_epochs": 1, "accelerator": "cpu", "default_root_dir": str(tmp_path / "run"),
-                    "enable_progress_bar": False, "limit_val_batches": 1,
-                    "callbacks": [{"class_path": "lightning_dltune.DataLoaderTuner",
-                                   "init_args": {"verbose": False, "max_workers": 2, "first_decision_after": 4}}]},
-        "model": {"step_s": STEP_S},
-        "data": {"train_length": TRAIN, "val_length": VAL, "batch_size": BATCH, "batch_cost_s": BATCH_COST_S},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "max_epochs": 1,
+                    "accelerator": "cpu",
+                    "default_root_dir": str(tmp_path / "run"),
+                    "enable_progress_bar": False,
+                    "limit_val_batches": 1,
+                    "callbacks": [
+                        {
+                            "class_path": "lightning_dltune.DataLoaderTuner",
+                            "init_args": {"verbose": False, "max_workers": 2, "first_decision_after": 4},
+                        }
+                    ],
+                },
+                "model": {"step_s": STEP_S},
+                "data": {"train_length": TRAIN, "val_length": VAL, "batch_size": BATCH, "batch_cost_s": BATCH_COST_S},
+            }
+        )
+    )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
-    first = subprocess.run([sys.executable, str(script), "fit", "--config", str(config)], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=300)
+    first = subprocess.run(
+        [sys.executable, str(script), "fit", "--config", str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     rec = next((tmp_path / "run").rglob("dltune_recommendation.yaml"))
-    again = subprocess.run([sys.executable, str(script), "fit", "--config", str(config), "--config", str(rec),
-                            "--print_config"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [sys.executable, str(script), "fit", "--config", str(config), "--config", str(rec), "--print_config"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     rec_values = yaml.safe_load(rec.read_text())["data"]
     merged = yaml.safe_load(again.stdout)["data"]

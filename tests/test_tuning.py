@@ -14,9 +14,9 @@ import sys
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
+from workloads import SleepStepModule, SleepyDataModule
 
 from lightning_dltune import DataLoaderTuner
-from workloads import SleepStepModule, SleepyDataModule
 from lightning_dltune.report.words import reason_text
 
 pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
 
 def _fit(trainer_kwargs, dm, step_s, epochs, tuner=None, extra_callbacks=(), **overrides):
     tuner = tuner or DataLoaderTuner(verbose=False)
-    trainer = pl.Trainer(max_epochs=epochs, callbacks=[tuner, *extra_callbacks], limit_val_batches=1,
-                         **{**trainer_kwargs, **overrides})
+    trainer = pl.Trainer(
+        max_epochs=epochs, callbacks=[tuner, *extra_callbacks], limit_val_batches=1, **{**trainer_kwargs, **overrides}
+    )
     trainer.fit(SleepStepModule(step_s=step_s), datamodule=dm)
     return tuner, trainer
 
@@ -61,8 +62,9 @@ def test_a_step_bound_pipeline_gets_no_extra_workers(trainer_kwargs):
 
 def test_a_start_at_16_workers_and_prefetch_8_is_brought_down(trainer_kwargs):
     # cheap data: 16 workers x 8 batches hold CPU and memory for nothing
-    dm = SleepyDataModule(train_length=160, val_length=4, batch_cost_s=0.002, batch_size=4, num_workers=16,
-                          prefetch_factor=8)
+    dm = SleepyDataModule(
+        train_length=160, val_length=4, batch_cost_s=0.002, batch_size=4, num_workers=16, prefetch_factor=8
+    )
     # a 40 ms step: slack even where a busy machine slows the hand-over of batches from 16 processes
     tuner, _ = _fit(trainer_kwargs, dm, step_s=0.04, epochs=6, tuner=DataLoaderTuner(verbose=False, max_workers=16))
     first, last = tuner.history[0].config, tuner.history[-1].next_config
@@ -75,15 +77,15 @@ def test_a_start_at_16_workers_and_prefetch_8_is_brought_down(trainer_kwargs):
 def test_a_resumed_fit_starts_with_the_tuned_config(trainer_kwargs, tmp_path):
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
     dm = SleepyDataModule(train_length=120, val_length=4, batch_cost_s=0.03, batch_size=4, num_workers=0)
-    tuner, _ = _fit({**trainer_kwargs, "enable_checkpointing": True}, dm, step_s=0.01, epochs=2,
-                    extra_callbacks=[ckpt])
+    tuner, _ = _fit({**trainer_kwargs, "enable_checkpointing": True}, dm, step_s=0.01, epochs=2, extra_callbacks=[ckpt])
     tuned = tuner.history[-1].next_config
     assert tuned.num_workers > 0
 
     resumed = DataLoaderTuner(verbose=False)
     fresh = SleepyDataModule(train_length=120, val_length=4, batch_cost_s=0.03, batch_size=4, num_workers=0)
-    trainer = pl.Trainer(max_epochs=3, callbacks=[resumed], limit_val_batches=1,
-                         **{**trainer_kwargs, "enable_checkpointing": True})
+    trainer = pl.Trainer(
+        max_epochs=3, callbacks=[resumed], limit_val_batches=1, **{**trainer_kwargs, "enable_checkpointing": True}
+    )
     trainer.fit(SleepStepModule(step_s=0.01), datamodule=fresh, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert sorted({r.epoch for r in resumed.history}) == [0, 1, 2]  # history came back with the checkpoint
     assert resumed.history[-1].config == tuned  # the resumed epoch ran the tuned config from its start
@@ -91,8 +93,14 @@ def test_a_resumed_fit_starts_with_the_tuned_config(trainer_kwargs, tmp_path):
 
 def test_one_long_epoch_whose_storage_slows_half_way_gets_more_workers_before_it_ends(trainer_kwargs):
     # a single 600-batch epoch (the shape of a real job: few, long epochs); storage latency x4 after 3.5 s
-    dm = SleepyDataModule(train_length=2400, val_length=4, batch_cost_s=0.015, batch_size=4, num_workers=0,
-                          dataset_kwargs={"slow_after_s": 3.5, "slower": 4.0})
+    dm = SleepyDataModule(
+        train_length=2400,
+        val_length=4,
+        batch_cost_s=0.015,
+        batch_size=4,
+        num_workers=0,
+        dataset_kwargs={"slow_after_s": 3.5, "slower": 4.0},
+    )
     # windows of 1 s (~80 batches) that look for new conditions every 20 batches
     tuner = DataLoaderTuner(verbose=False, window_batches=20, window_seconds=1.0)
     tuner, _ = _fit(trainer_kwargs, dm, step_s=0.01, epochs=1, tuner=tuner)
@@ -103,7 +111,8 @@ def test_one_long_epoch_whose_storage_slows_half_way_gets_more_workers_before_it
     before = windows[slowed - 1].next_config.num_workers
     # answered within two windows of the change, in the same epoch, with more workers
     assert any(r.next_config.num_workers > before for r in windows[slowed : slowed + 3]), [
-        (r.config.num_workers, round(r.starvation_ratio, 2), reason_text(r.reason)[:80]) for r in windows]
+        (r.config.num_workers, round(r.starvation_ratio, 2), reason_text(r.reason)[:80]) for r in windows
+    ]
     assert windows[-1].config.num_workers > before
     assert windows[-1].starvation_ratio < windows[slowed].starvation_ratio
     # a window that saw the change closed early, at a look: the first one that saw it (the suspect,
@@ -142,7 +151,9 @@ def test_a_noisy_neighbour_for_one_epoch_does_not_leave_the_tuner_on_a_worse_con
     before = [r for r in tuner.history if r.epoch == 1]
     after = [r for r in tuner.history if r.epoch == 5]
     rate = lambda records: sorted(r.samples_per_s for r in records)[len(records) // 2]  # noqa: E731
-    trail = [(r.epoch, r.config.num_workers, round(r.starvation_ratio, 2), reason_text(r.reason)[:70]) for r in tuner.history]
+    trail = [
+        (r.epoch, r.config.num_workers, round(r.starvation_ratio, 2), reason_text(r.reason)[:70]) for r in tuner.history
+    ]
     # the epoch after the neighbour left runs at least as well as the one before it came, give or take noise
     assert rate(after) >= 0.8 * rate(before), trail
     assert after[-1].config.num_workers >= min(r.config.num_workers for r in before) - 1, trail

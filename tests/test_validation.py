@@ -6,9 +6,9 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_dltune import DataLoaderTuner, LoaderConfig, TunableDataModule
+from lightning_dltune.control.resources import rank_budget
 from lightning_dltune.core import validation
 from lightning_dltune.core.records import PolicySettings
-from lightning_dltune.control.resources import rank_budget
 
 
 class Data(TunableDataModule, pl.LightningDataModule):
@@ -21,7 +21,11 @@ class Data(TunableDataModule, pl.LightningDataModule):
         (dict(loader_kwargs="timeout=5"), TypeError, r"`loader_kwargs` must be a mapping .*'timeout=5'"),
         (dict(loader_kwargs=5), TypeError, r"`loader_kwargs` must be a mapping .*got 5"),
         (dict(loader_kwargs={"bogus": 1}), ValueError, r"`loader_kwargs` names \['bogus'\].*allowed: .*'timeout'"),
-        (dict(loader_kwargs={"timeout": -5}), ValueError, r"`loader_kwargs\['timeout'\]` must be a number in \[0, inf\], got -5"),
+        (
+            dict(loader_kwargs={"timeout": -5}),
+            ValueError,
+            r"`loader_kwargs\['timeout'\]` must be a number in \[0, inf\], got -5",
+        ),
         (dict(loader_kwargs={"num_workers": 2}), ValueError, r"`loader_kwargs` must not set \['num_workers'\]"),
         (dict(persistent_workers="no"), TypeError, r"`persistent_workers` must be True or False or None, got 'no'"),
         (dict(pin_memory=1), TypeError, r"`pin_memory` must be True or False or None"),
@@ -71,7 +75,11 @@ def test_bad_tuner_arguments_name_the_argument_and_what_is_allowed(kwargs, says)
 
 
 def test_the_band_has_one_rule_everywhere():
-    for make in (lambda b: DataLoaderTuner(band=b), lambda b: PolicySettings(band=b), lambda b: validation.band("band", b)):
+    for make in (
+        lambda b: DataLoaderTuner(band=b),
+        lambda b: PolicySettings(band=b),
+        lambda b: validation.band("band", b),
+    ):
         with pytest.raises(ValueError, match="0 < low < high <= 1"):
             make((0.0, 0.5))
         with pytest.raises(ValueError, match="0 < low < high <= 1"):

@@ -7,7 +7,9 @@ from lightning_dltune.core.windows import NO_BATCH, WindowSchedule
 
 
 def paced(per_batch_s: float, batches: int = 50) -> WindowStats:
-    return WindowStats(batches=batches, samples=32 * batches, fetch_wait_total_s=0.0, step_total_s=per_batch_s * batches)
+    return WindowStats(
+        batches=batches, samples=32 * batches, fetch_wait_total_s=0.0, step_total_s=per_batch_s * batches
+    )
 
 
 def test_the_fits_first_window_is_short_and_needs_an_epoch_twice_as_long():

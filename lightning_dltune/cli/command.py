@@ -46,19 +46,39 @@ class SweepCLI(DLTuneCLI):
     """The fit config (trainer, model, data) plus the sweep's own options, checked before anything starts."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.add_argument("--step-ms", type=Optional[float], default=None,
-                            help="Emulated training step in ms; default: measure real steps of the model.")
+        parser.add_argument(
+            "--step-ms",
+            type=Optional[float],
+            default=None,
+            help="Emulated training step in ms; default: measure real steps of the model.",
+        )
         parser.add_argument("--steps", type=int, default=10, help="Real training steps to time (after 3 warm-up).")
-        parser.add_argument("--seconds-per-point", type=float, default=3.0,
-                            help="Time the loader runs at each grid point, after its first batch.")
-        parser.add_argument("--workers", type=Optional[list[int]], default=None,
-                            help="num_workers values, e.g. [0,2,4]; default: 0, 1, 2, 4, ... up to the budget.")
+        parser.add_argument(
+            "--seconds-per-point",
+            type=float,
+            default=3.0,
+            help="Time the loader runs at each grid point, after its first batch.",
+        )
+        parser.add_argument(
+            "--workers",
+            type=Optional[list[int]],
+            default=None,
+            help="num_workers values, e.g. [0,2,4]; default: 0, 1, 2, 4, ... up to the budget.",
+        )
         parser.add_argument("--prefetch", type=list[int], default=[1, 2, 4], help="prefetch_factor values.")
-        parser.add_argument("--min-gain", type=Optional[float], default=None,
-                            help="Recommend the leanest point within this share of the best samples/s;"
-                                 " default: the DataLoaderTuner's min_gain in the config, else 0.05.")
-        parser.add_argument("--out", type=str, default="dltune_sweep",
-                            help="Directory for dltune_sweep.json, dltune_sweep.png and dltune_recommendation.yaml.")
+        parser.add_argument(
+            "--min-gain",
+            type=Optional[float],
+            default=None,
+            help="Recommend the leanest point within this share of the best samples/s;"
+            " default: the DataLoaderTuner's min_gain in the config, else 0.05.",
+        )
+        parser.add_argument(
+            "--out",
+            type=str,
+            default="dltune_sweep",
+            help="Directory for dltune_sweep.json, dltune_sweep.png and dltune_recommendation.yaml.",
+        )
 
     def before_instantiate_classes(self) -> None:
         c = self.config
@@ -66,7 +86,11 @@ class SweepCLI(DLTuneCLI):
             ("--step-ms", c.step_ms is None or c.step_ms >= 0, "a number >= 0"),
             ("--steps", c.steps >= 1, "an integer >= 1"),
             ("--seconds-per-point", c.seconds_per_point > 0, "a number > 0"),
-            ("--workers", c.workers is None or (c.workers and min(c.workers) >= 0), "a non-empty list of integers >= 0"),
+            (
+                "--workers",
+                c.workers is None or (c.workers and min(c.workers) >= 0),
+                "a non-empty list of integers >= 0",
+            ),
             ("--prefetch", bool(c.prefetch) and min(c.prefetch) >= 1, "a non-empty list of integers >= 1"),
             ("--min-gain", c.min_gain is None or 0 <= c.min_gain < 1, "a number in [0, 1)"),
         ]
@@ -141,8 +165,7 @@ def sweep_command(args: Sequence[str]) -> int:
 
 
 def _run_sweep(cli: SweepCLI, stop: Any) -> None:
-    from lightning_dltune.cli import sweep
-    from lightning_dltune.cli import sweep_report
+    from lightning_dltune.cli import sweep, sweep_report
 
     options, datamodule = cli.config, cli.datamodule
     started = time.perf_counter()
@@ -157,12 +180,20 @@ def _run_sweep(cli: SweepCLI, stop: Any) -> None:
         pin = (False, True) if cli.trainer.strategy.root_device.type == "cuda" else (False,)
         configs, skipped = sweep.build_grid(original, budget, batch_bytes, options.workers, options.prefetch, pin)
         result = sweep.SweepResult(
-            step_ms=1e3 * step_s, step_source=source, batch_size=datamodule.batch_size, batch_bytes=batch_bytes,
-            seconds_per_point=options.seconds_per_point, min_gain=min_gain, budget=budget, skipped=skipped,
+            step_ms=1e3 * step_s,
+            step_source=source,
+            batch_size=datamodule.batch_size,
+            batch_bytes=batch_bytes,
+            seconds_per_point=options.seconds_per_point,
+            min_gain=min_gain,
+            budget=budget,
+            skipped=skipped,
             step_samples_ms=[1e3 * x for x in samples],
         )
-        _say(f"step {sweep_report.step_text(result)}; {len(configs)} points x {result.seconds_per_point:g} s,"
-             f" budget: {budget.max_workers} workers")
+        _say(
+            f"step {sweep_report.step_text(result)}; {len(configs)} points x {result.seconds_per_point:g} s,"
+            f" budget: {budget.max_workers} workers"
+        )
         sweep.run_grid(make_loader, result, configs, on_point=_report_point, stop=stop.check)
     finally:
         if original is not None:
@@ -179,9 +210,15 @@ def _tuner_limits(cli: SweepCLI) -> tuple[Any, float]:
     from lightning_dltune.core.records import PolicySettings
 
     tuner = next((cb for cb in cli.trainer.callbacks if isinstance(cb, DataLoaderTuner)), None)
-    limits = {} if tuner is None else {
-        "max_workers": tuner.max_workers, "memory_fraction": tuner.memory_fraction, "shm_fraction": tuner.shm_fraction,
-    }
+    limits = (
+        {}
+        if tuner is None
+        else {
+            "max_workers": tuner.max_workers,
+            "memory_fraction": tuner.memory_fraction,
+            "shm_fraction": tuner.shm_fraction,
+        }
+    )
     budget = rank_budget(local_ranks=max(1, cli.trainer.num_devices), **limits)  # the fit's ranks on this node share it
     min_gain = cli.config.min_gain
     if min_gain is None:
@@ -199,8 +236,11 @@ def _step(cli: SweepCLI) -> tuple[list[float], float, str]:
         datamodule.setup("fit")
         return [], options.step_ms / 1e3, "--step-ms"
     device = trainer.strategy.root_device
-    trainer_kwargs = {"accelerator": device.type, "precision": trainer.precision,
-                      "devices": [device.index] if device.index is not None else 1}
+    trainer_kwargs = {
+        "accelerator": device.type,
+        "precision": trainer.precision,
+        "devices": [device.index] if device.index is not None else 1,
+    }
     _say(f"timing {options.steps} training steps of {type(cli.model).__name__} on {device}")
     with _QuietLightning():
         samples = sweep.measure_steps_s(cli.model, datamodule, trainer_kwargs, options.steps)
@@ -219,9 +259,16 @@ def _write_outputs(result: Any, out: str) -> None:
         _say("heatmap skipped: matplotlib is not installed (pip install matplotlib)")
     rec = result.recommended
     if rec is not None:
-        written.append(write_recommendation(out, rec.config, note=(
-            f"dltune sweep: leanest within {result.min_gain:.0%} of the best predicted fit"
-            f" ({rec.fit_samples_per_s:,.0f} samples/s) with a {sweep_report.step_text(result)} step")))
+        written.append(
+            write_recommendation(
+                out,
+                rec.config,
+                note=(
+                    f"dltune sweep: leanest within {result.min_gain:.0%} of the best predicted fit"
+                    f" ({rec.fit_samples_per_s:,.0f} samples/s) with a {sweep_report.step_text(result)} step"
+                ),
+            )
+        )
     _say(f"{len(result.points)} points in {result.elapsed_s:.0f} s; wrote " + ", ".join(written))
 
 
@@ -239,9 +286,11 @@ def _first_batch_bytes(make_loader: Any, base: Any) -> float:
 
 def _report_point(point: Any) -> None:
     c = point.config
-    _say(f"workers={c.num_workers} prefetch={c.prefetch_factor if c.num_workers else '-'}"
-         f"{' pin' if c.pin_memory else ''}: {point.samples_per_s:,.0f} samples/s,"
-         f" start-up {point.startup_s:.2f} s, predicted starvation {point.predicted_starvation:.0%}")
+    _say(
+        f"workers={c.num_workers} prefetch={c.prefetch_factor if c.num_workers else '-'}"
+        f"{' pin' if c.pin_memory else ''}: {point.samples_per_s:,.0f} samples/s,"
+        f" start-up {point.startup_s:.2f} s, predicted starvation {point.predicted_starvation:.0%}"
+    )
 
 
 def _say(message: str) -> None:

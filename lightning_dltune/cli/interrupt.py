@@ -30,7 +30,7 @@ class StopRequest:
             raise KeyboardInterrupt(f"signal {self.signum}")
 
     @contextmanager
-    def installed(self, signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator["StopRequest"]:
+    def installed(self, signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[StopRequest]:
         """This request handles ``signums`` inside the block; the previous handlers come back after it."""
         previous = {signum: signal.signal(signum, self) for signum in signums}
         try:

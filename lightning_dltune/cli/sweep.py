@@ -79,7 +79,7 @@ def build_grid(
     points: list[LoaderConfig] = []
     skipped: list[tuple[LoaderConfig, str]] = []
     for w in ladder:
-        for p in (sorted(set(prefetch)) if w else [base.prefetch_factor]):
+        for p in sorted(set(prefetch)) if w else [base.prefetch_factor]:
             for pinned in pin:
                 config = base.replace(num_workers=w, prefetch_factor=p, pin_memory=pinned)
                 reason = over_budget(config, batch_bytes, budget)
@@ -115,7 +115,7 @@ def predicted_fit_rate(loader_s_per_batch: float, step_s: float, num_workers: in
     return batch_size * PipelineModel.timed_alone(num_workers, loader_s_per_batch, step_s).throughput(num_workers)
 
 
-def leanest_within(points: Sequence["SweepPoint"], min_gain: float) -> Optional["SweepPoint"]:
+def leanest_within(points: Sequence[SweepPoint], min_gain: float) -> Optional[SweepPoint]:
     """The leanest point whose predicted training samples/s is within ``min_gain`` of the best.
 
     The fit's speed is what counts, not the loader's alone: a loader faster than the step buys
@@ -195,10 +195,15 @@ class SweepResult:
     def as_dict(self) -> dict[str, Any]:
         rec = self.recommended
         return {
-            "step_ms": self.step_ms, "step_source": self.step_source, "step_samples_ms": self.step_samples_ms,
+            "step_ms": self.step_ms,
+            "step_source": self.step_source,
+            "step_samples_ms": self.step_samples_ms,
             "batch_size": self.batch_size,
-            "batch_bytes": self.batch_bytes, "seconds_per_point": self.seconds_per_point,
-            "min_gain": self.min_gain, "budget": asdict(self.budget), "elapsed_s": self.elapsed_s,
+            "batch_bytes": self.batch_bytes,
+            "seconds_per_point": self.seconds_per_point,
+            "min_gain": self.min_gain,
+            "budget": asdict(self.budget),
+            "elapsed_s": self.elapsed_s,
             "points": [p.as_dict() for p in self.points],
             "skipped": [{**c.as_dict(), "reason": why} for c, why in self.skipped],
             "recommended": rec.as_dict() if rec is not None else None,
@@ -388,16 +393,18 @@ def run_grid(
         stop()
         with warnings.catch_warnings():  # the budget allows more workers than cores (I/O-bound workers)
             warnings.filterwarnings("ignore", message=".*worker processes in total.*")
-            point = measure_point(make_loader, config, result.seconds_per_point, result.step_ms / 1e3,
-                                  result.batch_size, stop)
+            point = measure_point(
+                make_loader, config, result.seconds_per_point, result.step_ms / 1e3, result.batch_size, stop
+            )
         result.points.append(point)
         if on_point is not None:
             on_point(point)
     return result
 
 
-def measure_steps_s(model: Any, datamodule: Any, trainer_kwargs: dict[str, Any], steps: int = 10,
-                    warmup: int = 3) -> list[float]:
+def measure_steps_s(
+    model: Any, datamodule: Any, trainer_kwargs: dict[str, Any], steps: int = 10, warmup: int = 3
+) -> list[float]:
     """Wall times of ``steps`` real training steps (hook to hook, as the tuner measures them).
 
     A throw-away Trainer (no logger, no checkpoints, no validation) runs ``warmup + steps`` steps on
@@ -423,8 +430,15 @@ def measure_steps_s(model: Any, datamodule: Any, trainer_kwargs: dict[str, Any],
 
     clock = StepClock()
     trainer = L.Trainer(
-        max_steps=warmup + steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
+        max_steps=warmup + steps,
+        max_epochs=-1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
         **trainer_kwargs,
     )
     try:

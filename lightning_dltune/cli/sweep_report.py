@@ -17,7 +17,7 @@ def step_text(result: SweepResult) -> str:
     samples = result.step_samples_ms
     if not samples:
         return f"{result.step_ms:.1f} ms ({result.step_source})"
-    return (f"{result.step_ms:.1f} ms (median of {len(samples)} steps, {min(samples):.0f}-{max(samples):.0f} ms)")
+    return f"{result.step_ms:.1f} ms (median of {len(samples)} steps, {min(samples):.0f}-{max(samples):.0f} ms)"
 
 
 def sweep_table(result: SweepResult) -> str:
@@ -28,18 +28,37 @@ def sweep_table(result: SweepResult) -> str:
     show_pin = len({p.config.pin_memory for p in result.points}) > 1
     rec = result.recommended
     table = Table(title=f"dltune sweep: train loader alone, step {step_text(result)}", title_justify="left")
-    columns = ["workers", "prefetch", *(["pin"] if show_pin else []), "samples/s", "ms/batch", "start-up",
-               "worker CPU", "peak memory", "/dev/shm", "starvation*", "fit samples/s*", "pick"]
+    columns = [
+        "workers",
+        "prefetch",
+        *(["pin"] if show_pin else []),
+        "samples/s",
+        "ms/batch",
+        "start-up",
+        "worker CPU",
+        "peak memory",
+        "/dev/shm",
+        "starvation*",
+        "fit samples/s*",
+        "pick",
+    ]
     for column in columns:
         table.add_column(column, justify="right", no_wrap=True)
     for p in result.points:
         c = p.config
         table.add_row(
-            str(c.num_workers), str(c.prefetch_factor) if c.num_workers else "-",
+            str(c.num_workers),
+            str(c.prefetch_factor) if c.num_workers else "-",
             *(["on" if c.pin_memory else "off"] if show_pin else []),
-            f"{p.samples_per_s:,.0f}", f"{p.loader_ms_per_batch:.1f}", f"{p.startup_s:.2f} s",
-            f"{p.worker_cpu_cores:.2f}", byte_text(p.peak_memory_bytes), byte_text(p.shm_bytes),
-            f"{p.predicted_starvation:.0%}", f"{p.fit_samples_per_s:,.0f}", "<-" if p is rec else "",
+            f"{p.samples_per_s:,.0f}",
+            f"{p.loader_ms_per_batch:.1f}",
+            f"{p.startup_s:.2f} s",
+            f"{p.worker_cpu_cores:.2f}",
+            byte_text(p.peak_memory_bytes),
+            byte_text(p.shm_bytes),
+            f"{p.predicted_starvation:.0%}",
+            f"{p.fit_samples_per_s:,.0f}",
+            "<-" if p is rec else "",
         )
     buffer = io.StringIO()
     console = Console(file=buffer, width=160, force_terminal=False, color_system=None)
@@ -49,9 +68,11 @@ def sweep_table(result: SweepResult) -> str:
         console.print(f"skipped workers={config.num_workers} prefetch={config.prefetch_factor}: {why}")
     if rec is not None:
         best = max(p.fit_samples_per_s for p in result.points)
-        console.print(f"recommended: {rec.config.short()}: the leanest within {result.min_gain:.0%} of the best"
-                      f" predicted fit ({rec.fit_samples_per_s:,.0f} of {best:,.0f} samples/s;"
-                      f" starvation {rec.predicted_starvation:.0%})")
+        console.print(
+            f"recommended: {rec.config.short()}: the leanest within {result.min_gain:.0%} of the best"
+            f" predicted fit ({rec.fit_samples_per_s:,.0f} of {best:,.0f} samples/s;"
+            f" starvation {rec.predicted_starvation:.0%})"
+        )
     return buffer.getvalue().rstrip("\n")
 
 
@@ -85,8 +106,7 @@ def write_heatmap(result: SweepResult, path: str) -> str:
             ax.text(col, row, "n/a", ha="center", va="center", color="grey", fontsize=9)
             continue
         bright = high > low and (value - low) / (high - low) > 0.6  # viridis turns yellow: dark text reads
-        ax.text(col, row, f"{value:,.0f}", ha="center", va="center", color="black" if bright else "white",
-                fontsize=9)
+        ax.text(col, row, f"{value:,.0f}", ha="center", va="center", color="black" if bright else "white", fontsize=9)
     rec = result.recommended
     if rec is not None:
         row = workers.index(rec.config.num_workers)

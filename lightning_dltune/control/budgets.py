@@ -1,4 +1,4 @@
-"""The job's loader budget: this rank's resources reduced across ranks, the cap after a failed switch, the start clamp."""
+"""The job's loader budget: rank resources reduced across ranks, the cap after a failed switch, the start clamp."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_dltune.control.resources import rank_budget
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.policy import clamp_to_budget
 from lightning_dltune.core.records import Budget, PolicySettings
-from lightning_dltune.control.resources import rank_budget
 
 
 def job_budget(
@@ -38,8 +38,9 @@ def job_budget(
         workers = held_workers
     if trainer.world_size <= 1:
         return Budget(workers, local.memory_bytes, local.shm_bytes, local.cpus)
-    values = torch.tensor([workers, _or_inf(local.memory_bytes), _or_inf(local.shm_bytes), local.cpus],
-                          dtype=torch.float64, device=device)
+    values = torch.tensor(
+        [workers, _or_inf(local.memory_bytes), _or_inf(local.shm_bytes), local.cpus], dtype=torch.float64, device=device
+    )
     w, mem, shm, cpus = trainer.strategy.reduce(values, reduce_op="min").tolist()
     return Budget(int(w), None if math.isinf(mem) else mem, None if math.isinf(shm) else shm, cpus)
 
@@ -79,9 +80,11 @@ def clamp_datamodule_start(datamodule: Any, budget: Budget, settings: PolicySett
         return None
     datamodule.set_loader_config(clamped)
     size = f"{batch_bytes / 2**20:.1f} MB" if batch_bytes else "unknown size"
-    return (f"[dltune] start: {config.short()} exceeds the budget (at most {budget.max_workers} workers, prefetch"
-            f" {settings.max_prefetch_factor}, memory for prefetched batches of {size}); starting with"
-            f" {datamodule.loader_config.short()}")
+    return (
+        f"[dltune] start: {config.short()} exceeds the budget (at most {budget.max_workers} workers, prefetch"
+        f" {settings.max_prefetch_factor}, memory for prefetched batches of {size}); starting with"
+        f" {datamodule.loader_config.short()}"
+    )
 
 
 def _or_inf(value: Optional[float]) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from typing import Dict, Iterator, List, Optional
+from typing import Iterator, Optional
 
 from lightning_dltune.core import validation
 from lightning_dltune.core.records import Budget
@@ -32,9 +32,9 @@ _NO_LIMIT = 2**60
 
 
 # -- cgroup discovery -----------------------------------------------------------------------------
-def _self_cgroups() -> Dict[str, str]:
+def _self_cgroups() -> dict[str, str]:
     """Controller -> path of this process's cgroup; ``""`` is the cgroup v2 (unified) path."""
-    paths: Dict[str, str] = {}
+    paths: dict[str, str] = {}
     try:
         with open(PROC_SELF_CGROUP) as fh:
             for line in fh:
@@ -85,7 +85,7 @@ def _chain(mount: str, path: Optional[str]) -> Iterator[str]:
             yield candidate
 
 
-def _cgroup_dirs(cgroup_root: str, controller: str) -> List[str]:
+def _cgroup_dirs(cgroup_root: str, controller: str) -> list[str]:
     """Directories to read for ``controller`` (``"cpu"`` or ``"memory"``), innermost first."""
     own = _self_cgroups()
     if _is_v2(cgroup_root):

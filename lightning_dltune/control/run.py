@@ -103,8 +103,17 @@ class TuningRun:
             return None
         decision = decide(config, stats, budget, self.history, self.settings)
         decision, self.windows.next_length = broadcast((decision, self.windows.length_after(stats)))
-        record = WindowRecord(epoch, config, stats, decision.verdict, decision.reason, decision.config,
-                              end_batch, global_step, decision.judged_util)
+        record = WindowRecord(
+            epoch,
+            config,
+            stats,
+            decision.verdict,
+            decision.reason,
+            decision.config,
+            end_batch,
+            global_step,
+            decision.judged_util,
+        )
         self.history.append(record)
         if self.tuning:
             self._apply(record, mid_epoch=end_batch is not None)

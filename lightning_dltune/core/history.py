@@ -130,11 +130,7 @@ _Window = tuple[LoaderConfig, WindowStats, Optional[LoaderConfig]]  # a window's
 
 
 def recall(
-    history: Sequence[WindowRecord],
-    current: LoaderConfig,
-    stats: WindowStats,
-    budget: Budget,
-    settings: PolicySettings,
+    history: Sequence[WindowRecord], current: LoaderConfig, stats: WindowStats, budget: Budget, settings: PolicySettings
 ) -> FitHistory:
     """Replay ``history`` plus the window just measured (``current``, ``stats``)."""
     windows = [(r.config, r.stats, r.next_config) for r in history] + [(current, stats, None)]
@@ -242,8 +238,14 @@ class _Replay:
             self._cap(i, streak.kind, before, config, gain, stopped_helping, busy)
 
     def _cap(
-        self, i: int, kind: ChangeKind, before: LoaderConfig, config: LoaderConfig, gain: float,
-        stopped_helping: bool, busy: bool,
+        self,
+        i: int,
+        kind: ChangeKind,
+        before: LoaderConfig,
+        config: LoaderConfig,
+        gain: float,
+        stopped_helping: bool,
+        busy: bool,
     ) -> None:
         """The ceiling a step up from ``before`` to ``config`` that did not pay sets on workers or prefetch."""
         slower = gain < -self.settings.min_gain
@@ -252,8 +254,11 @@ class _Replay:
             # slower after a step up of several workers: try a smaller step up before calling it the CPUs'
             # limit; never declare it at a count that was not measured against one worker more
             step_up = config.num_workers - before.num_workers
-            limit = config.num_workers if stopped_helping else (
-                before.num_workers if step_up <= 1 else config.num_workers - 1)
+            limit = (
+                config.num_workers
+                if stopped_helping
+                else (before.num_workers if step_up <= 1 else config.num_workers - 1)
+            )
             ceiling = self.worker_ceiling
             if ceiling is None or not ceiling.stands(i) or limit < ceiling.value:
                 self.worker_ceiling = _Strike(limit, i, strikes, busy)
@@ -299,7 +304,8 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -
 
     Compared: the data side's cost per batch (a worker's time per batch where the loader says it; the
     fetch wait with 0 workers, where the training process makes the batch inside the fetch), the step
-    time, and, where the cost is unknown, starvation. A signal moved when it left its pooled mean by more than ``SHIFT_COST`` of it
+    time, and, where the cost is unknown, starvation. A signal moved when it left its pooled mean by more than
+    ``SHIFT_COST`` of it
     (``SHIFT_STEP`` for the step, ``SHIFT_STARVATION`` points for starvation) and by more than
     ``SHIFT_SIGMAS`` standard deviations of the prior windows, and lies outside all of them.
     ``None``: same conditions.
@@ -462,4 +468,3 @@ def _standard_error(values: Sequence[float]) -> float:
         return 0.0
     mean = sum(values) / n
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-

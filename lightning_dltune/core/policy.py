@@ -129,9 +129,7 @@ def clamp_to_budget(
     return config.replace(num_workers=workers, prefetch_factor=prefetch), limit
 
 
-def memory_over_budget(
-    config: LoaderConfig, batch_bytes: float, budget: Budget
-) -> Optional[tuple[str, float, float]]:
+def memory_over_budget(config: LoaderConfig, batch_bytes: float, budget: Budget) -> Optional[tuple[str, float, float]]:
     """The memory budget the prefetched batches of ``config`` exceed: ``(which, bytes, budget bytes)``.
 
     ``which`` is ``"memory"`` or ``"/dev/shm"`` (memory is checked first); ``None`` when both fit or are unknown.
@@ -207,18 +205,24 @@ def _over_budget(case: _Case) -> Optional[_Rule]:
     if clamped == current:
         return None
     if limit == "memory":
-        return clamped, Verdict.MEMORY_CAPPED, Reason(ReasonKind.OVER_MEMORY, {
-            "config": pair(current), "to": pair(clamped), **_over_memory(current, stats.batch_bytes, budget),
-        })
+        return (
+            clamped,
+            Verdict.MEMORY_CAPPED,
+            Reason(
+                ReasonKind.OVER_MEMORY,
+                {"config": pair(current), "to": pair(clamped), **_over_memory(current, stats.batch_bytes, budget)},
+            ),
+        )
     if limit == "workers":
-        reason = Reason(ReasonKind.OVER_WORKERS, {
-            "workers": current.num_workers, "max_workers": budget.max_workers, "to": pair(clamped),
-        })
+        reason = Reason(
+            ReasonKind.OVER_WORKERS,
+            {"workers": current.num_workers, "max_workers": budget.max_workers, "to": pair(clamped)},
+        )
     else:
-        reason = Reason(ReasonKind.OVER_PREFETCH, {
-            "prefetch": current.prefetch_factor, "max_prefetch": settings.max_prefetch_factor,
-            "to": pair(clamped),
-        })
+        reason = Reason(
+            ReasonKind.OVER_PREFETCH,
+            {"prefetch": current.prefetch_factor, "max_prefetch": settings.max_prefetch_factor, "to": pair(clamped)},
+        )
     return clamped, case.held, reason
 
 
@@ -231,18 +235,28 @@ def _suspected_shift(case: _Case) -> Optional[_Rule]:
     shift = case.fit.suspect
     if shift is None:
         return None
-    return case.current, case.held, Reason(ReasonKind.SHIFT_SUSPECTED, {
-        "signal": shift.signal, "before": shift.before, "now": shift.now, "config": pair(case.current),
-    })
+    return (
+        case.current,
+        case.held,
+        Reason(
+            ReasonKind.SHIFT_SUSPECTED,
+            {"signal": shift.signal, "before": shift.before, "now": shift.now, "config": pair(case.current)},
+        ),
+    )
 
 
 def _rebuild_cap(case: _Case) -> Optional[_Rule]:
     """3. After ``max_rebuilds`` changes under the same conditions, nothing changes any more."""
     if case.fit.rebuilds < case.settings.max_rebuilds:
         return None
-    return case.current, case.held, Reason(ReasonKind.REBUILD_CAP, {
-        "rebuilds": case.fit.rebuilds, "config": pair(case.current), "util": case.stats.utilization,
-    })
+    return (
+        case.current,
+        case.held,
+        Reason(
+            ReasonKind.REBUILD_CAP,
+            {"rebuilds": case.fit.rebuilds, "config": pair(case.current), "util": case.stats.utilization},
+        ),
+    )
 
 
 def _judge_last_change(case: _Case) -> Optional[_Rule]:
@@ -259,16 +273,27 @@ def _judge_last_change(case: _Case) -> Optional[_Rule]:
         return None
     contention = {"step_ratio": last.step_ratio} if last.contention else {}
     if last.kind in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH) and last.gain < -settings.min_gain:
-        numbers = {"gain": last.gain, "rate_before": last.before_stats.samples_per_s,
-                   "rate": stats.samples_per_s, "from": pair(last.before), "to": pair(current), **contention}
+        numbers = {
+            "gain": last.gain,
+            "rate_before": last.before_stats.samples_per_s,
+            "rate": stats.samples_per_s,
+            "from": pair(last.before),
+            "to": pair(current),
+            **contention,
+        }
         if not last.confirmed:  # one window is noise until a second agrees
             return current, case.held, Reason(ReasonKind.CONFIRM_SLOWER, numbers)
         more_workers = last.kind is ChangeKind.MORE_WORKERS
         verdict = Verdict.DATA_BOUND_CPU if more_workers else case.held
         return last.before, verdict, Reason(ReasonKind.UNDO_SLOWER, {**numbers, "windows": last.windows})
     if last.kind is ChangeKind.GIVE_BACK and is_starved(stats, settings):
-        numbers = {"config": pair(current), "util": stats.utilization, "low": settings.band[0],
-                   "starvation": stats.starvation_ratio, "to": pair(last.before)}
+        numbers = {
+            "config": pair(current),
+            "util": stats.utilization,
+            "low": settings.band[0],
+            "starvation": stats.starvation_ratio,
+            "to": pair(last.before),
+        }
         if not last.confirmed:
             return current, data_verdict, Reason(ReasonKind.CONFIRM_STARVED, numbers)
         return last.before, data_verdict, Reason(ReasonKind.UNDO_GIVE_BACK, numbers)
@@ -287,18 +312,32 @@ def _against_the_band(case: _Case, latest: WindowStats) -> _Rule:
     util, starvation = stats.utilization, stats.starvation_ratio
     if util < low - settings.hysteresis - fit.util_error:
         if starvation < settings.min_starvation:
-            return current, Verdict.COMPUTE_BOUND, Reason(ReasonKind.COMPUTE_BOUND, {
-                "util": util, "starvation": starvation,
-            })
+            return (
+                current,
+                Verdict.COMPUTE_BOUND,
+                Reason(ReasonKind.COMPUTE_BOUND, {"util": util, "starvation": starvation}),
+            )
         return _add_throughput(case)
     if util > high + settings.hysteresis + 2 * fit.util_error:
         return _give_back(current, stats, fit, settings, model)
     if _slack_the_estimate_hides(case, latest):
         return _give_back(current, stats, fit, settings, model)
-    return current, Verdict.IN_BAND, Reason(ReasonKind.IN_BAND, {
-        "util": util, "windows": fit.windows, "low": low, "high": high, "inside": low <= util <= high,
-        "starvation": starvation, "config": pair(current),
-    })
+    return (
+        current,
+        Verdict.IN_BAND,
+        Reason(
+            ReasonKind.IN_BAND,
+            {
+                "util": util,
+                "windows": fit.windows,
+                "low": low,
+                "high": high,
+                "inside": low <= util <= high,
+                "starvation": starvation,
+                "config": pair(current),
+            },
+        ),
+    )
 
 
 def _slack_the_estimate_hides(case: _Case, latest: WindowStats) -> bool:
@@ -342,8 +381,12 @@ def _stopped_helping(case: _Case) -> Optional[_Rule]:
     current, last = case.current, case.fit.last_change
     if last is None or last.kind is not ChangeKind.MORE_WORKERS or not last.stopped_helping:
         return None
-    numbers = {"from_workers": last.before.num_workers, "workers": current.num_workers, "gain": last.gain,
-               "min_gain": case.settings.min_gain}
+    numbers = {
+        "from_workers": last.before.num_workers,
+        "workers": current.num_workers,
+        "gain": last.gain,
+        "min_gain": case.settings.min_gain,
+    }
     if not last.confirmed:
         return current, case.data_verdict, Reason(ReasonKind.CONFIRM_NO_GAIN, numbers)
     return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.STOPPED_HELPING, numbers)
@@ -371,11 +414,21 @@ def _deeper_prefetch(case: _Case, starved: dict) -> Optional[_Rule]:
     clamped, _ = clamp_to_budget(deeper, stats.batch_bytes, case.budget, settings)
     if clamped.prefetch_factor <= prefetch or clamped in fit.rejected:
         return None
-    return clamped, case.data_verdict, Reason(ReasonKind.DEEPER_PREFETCH, {
-        **starved, "stall_fraction": stats.stall_fraction, "stall_s": stall_s,
-        "capacity_ratio": capacity_ratio if stats.worker_batch_s is not None else None,
-        "prefetch": prefetch, "to_prefetch": clamped.prefetch_factor,
-    })
+    return (
+        clamped,
+        case.data_verdict,
+        Reason(
+            ReasonKind.DEEPER_PREFETCH,
+            {
+                **starved,
+                "stall_fraction": stats.stall_fraction,
+                "stall_s": stall_s,
+                "capacity_ratio": capacity_ratio if stats.worker_batch_s is not None else None,
+                "prefetch": prefetch,
+                "to_prefetch": clamped.prefetch_factor,
+            },
+        ),
+    )
 
 
 def _more_workers(case: _Case, starved: dict) -> _Rule:
@@ -394,33 +447,55 @@ def _more_workers(case: _Case, starved: dict) -> _Rule:
     gain = model.throughput(wanted) / model.throughput(workers) - 1.0
     if gain < settings.min_gain:
         # contention eats what more workers would add: the model already says they cannot help
-        return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.NO_MODELLED_GAIN, {
-            **starved, **cost, "wanted": wanted, "gain": gain, "cpus": budget.cpus,
-        })
+        return (
+            current,
+            Verdict.DATA_BOUND_CPU,
+            Reason(
+                ReasonKind.NO_MODELLED_GAIN, {**starved, **cost, "wanted": wanted, "gain": gain, "cpus": budget.cpus}
+            ),
+        )
     target, why = clamp_to_budget(current.replace(num_workers=wanted), stats.batch_bytes, budget, settings)
     while target in fit.rejected and target.num_workers > workers:
         target = target.replace(num_workers=target.num_workers - 1)
     if target.num_workers <= workers:
         if why == "memory":
-            one_more = current.replace(num_workers=workers + 1, prefetch_factor=1)
-            return current, Verdict.MEMORY_CAPPED, Reason(ReasonKind.MEMORY_CAPPED_HOLD, {
-                **starved, "wanted": wanted, "config": pair(one_more),
-                **_over_memory(one_more, stats.batch_bytes, budget),
-            })
+            return _memory_capped_hold(case, starved, wanted)
         return current, data_verdict, Reason(ReasonKind.MORE_WORKERS_UNDONE, {**starved, **cost})
     if why == "memory" and target.num_workers < wanted:
-        wanted_config = current.replace(num_workers=wanted, prefetch_factor=1)
-        return target, Verdict.MEMORY_CAPPED, Reason(ReasonKind.MEMORY_CAPPED_WORKERS, {
-            **starved, "wanted": wanted, "to": pair(target), **_over_memory(wanted_config, stats.batch_bytes, budget),
-        })
+        return _memory_capped_workers(case, starved, wanted, target)
     target = _light_prefetch(target, stats.batch_bytes, budget)
     verdict = data_verdict
     if target.num_workers == cpu_limit and model.capacity(target.num_workers) < model.demand:
         verdict = Verdict.DATA_BOUND_CPU  # the most the CPUs carry still falls short
-    return target, verdict, Reason(ReasonKind.MORE_WORKERS, {
-        **starved, **cost, "to_workers": target.num_workers, "prefetch": current.prefetch_factor,
-        "to_prefetch": target.prefetch_factor,
-    })
+    return (
+        target,
+        verdict,
+        Reason(
+            ReasonKind.MORE_WORKERS,
+            {
+                **starved,
+                **cost,
+                "to_workers": target.num_workers,
+                "prefetch": current.prefetch_factor,
+                "to_prefetch": target.prefetch_factor,
+            },
+        ),
+    )
+
+
+def _memory_capped_hold(case: _Case, starved: dict, wanted: int) -> _Rule:
+    """Starved, but not even one more worker (at prefetch 1) fits the memory budget: hold."""
+    current, batch_bytes = case.current, case.stats.batch_bytes
+    one_more = current.replace(num_workers=current.num_workers + 1, prefetch_factor=1)
+    numbers = {"wanted": wanted, "config": pair(one_more), **_over_memory(one_more, batch_bytes, case.budget)}
+    return current, Verdict.MEMORY_CAPPED, Reason(ReasonKind.MEMORY_CAPPED_HOLD, {**starved, **numbers})
+
+
+def _memory_capped_workers(case: _Case, starved: dict, wanted: int, target: LoaderConfig) -> _Rule:
+    """Fewer workers than Little's law wants, as many as the memory budget allows."""
+    wanted_config = case.current.replace(num_workers=wanted, prefetch_factor=1)
+    numbers = {"wanted": wanted, "to": pair(target), **_over_memory(wanted_config, case.stats.batch_bytes, case.budget)}
+    return target, Verdict.MEMORY_CAPPED, Reason(ReasonKind.MEMORY_CAPPED_WORKERS, {**starved, **numbers})
 
 
 def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling: int) -> _Rule:
@@ -429,16 +504,20 @@ def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling
     workers, cpu_limit = current.num_workers, model.cpu_limit()
     cpus = {"cpus": case.budget.cpus, "cpu_share": model.cpu_share}
     if limit == ceiling:
-        return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.AT_WORKER_CEILING, {
-            **starved, "ceiling": fit.worker_ceiling,
-        })
+        return (
+            current,
+            Verdict.DATA_BOUND_CPU,
+            Reason(ReasonKind.AT_WORKER_CEILING, {**starved, "ceiling": fit.worker_ceiling}),
+        )
     if limit == cpu_limit:
         fewer = current.replace(num_workers=cpu_limit)
         if workers > cpu_limit and fewer not in fit.rejected:
             # past saturation extra workers only hold memory and fight over the cores
-            return fewer, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.OVERSUBSCRIBED, {
-                **starved, **cpus, "to_workers": cpu_limit,
-            })
+            return (
+                fewer,
+                Verdict.DATA_BOUND_CPU,
+                Reason(ReasonKind.OVERSUBSCRIBED, {**starved, **cpus, "to_workers": cpu_limit}),
+            )
         return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.CPUS_SATURATED, {**starved, **cpus})
     return current, case.data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost})
 
@@ -490,15 +569,28 @@ def _give_back(
         candidate = current.replace(num_workers=fewer, prefetch_factor=shallower if fewer else prefetch)
         predicted = util * model.throughput(fewer) / now
         if keeps_band(predicted) and allowed(candidate):
-            return candidate, verdict, Reason(ReasonKind.GIVE_BACK_WORKERS, {
-                **seen, "workers": workers, "to_workers": fewer, "predicted": min(predicted, 1.0),
-                "prefetch": prefetch, "to_prefetch": candidate.prefetch_factor,
-            })
+            return (
+                candidate,
+                verdict,
+                Reason(
+                    ReasonKind.GIVE_BACK_WORKERS,
+                    {
+                        **seen,
+                        "workers": workers,
+                        "to_workers": fewer,
+                        "predicted": min(predicted, 1.0),
+                        "prefetch": prefetch,
+                        "to_prefetch": candidate.prefetch_factor,
+                    },
+                ),
+            )
     candidate = current.replace(prefetch_factor=shallower)
     if shallower < prefetch and allowed(candidate):
-        return candidate, verdict, Reason(ReasonKind.GIVE_BACK_PREFETCH, {
-            **seen, "prefetch": prefetch, "to_prefetch": shallower,
-        })
+        return (
+            candidate,
+            verdict,
+            Reason(ReasonKind.GIVE_BACK_PREFETCH, {**seen, "prefetch": prefetch, "to_prefetch": shallower}),
+        )
     if not confirmed and workers and prefetch > _DEFAULT_PREFETCH and queue_idle:
         return current, verdict, Reason(ReasonKind.SLACK_UNCONFIRMED, seen)
     if not confirmed and workers and allowed(current.replace(num_workers=workers - 1)):

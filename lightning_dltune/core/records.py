@@ -110,7 +110,7 @@ class Budget:
 
 @dataclass(frozen=True)
 class PolicySettings:
-    """Knobs of the policy; ``band``, ``max_rebuilds``, ``min_gain`` and ``max_prefetch_factor`` are also callback arguments.
+    """Knobs of the policy (``band``, ``max_rebuilds``, ``min_gain``, ``max_prefetch_factor``: callback arguments too).
 
     Args:
         band: utilization range ``(low, high)`` to hold, ``0 < low < high <= 1``.

@@ -48,7 +48,7 @@ class WindowSchedule:
         self.next_length = self.first_batches or self.window_batches
 
     def length_after(self, stats: WindowStats) -> int:
-        """Batches of the window after one that measured ``stats``: ``window_seconds`` at its pace, at least ``window_batches``."""
+        """The next window's batches after ``stats``: ``window_seconds`` at its pace, at least ``window_batches``."""
         per_batch = (stats.fetch_wait_total_s + stats.step_total_s) / max(stats.batches, 1)
         by_time = math.ceil(self.window_seconds / per_batch) if per_batch > 0 else 0
         return max(self.window_batches, min(by_time, _MOST_BATCHES))

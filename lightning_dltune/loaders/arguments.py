@@ -12,10 +12,7 @@ from lightning_dltune.core import validation
 
 
 def check_loader_kwargs(
-    name: str,
-    value: Any,
-    owned: Iterable[str] = (),
-    target: Callable[..., Any] | None = None,
+    name: str, value: Any, owned: Iterable[str] = (), target: Callable[..., Any] | None = None
 ) -> dict[str, Any]:
     """A mapping of :class:`~torch.utils.data.DataLoader` keyword arguments (``None``: none).
 
@@ -31,9 +28,7 @@ def check_loader_kwargs(
     accepted = set(inspect.signature(target).parameters) - {"self"}
     clash = sorted(set(owned).intersection(value))
     if clash:
-        raise ValueError(
-            f"`{name}` must not set {clash}: pass them as TunableDataModule arguments instead."
-        )
+        raise ValueError(f"`{name}` must not set {clash}: pass them as TunableDataModule arguments instead.")
     unknown = sorted(k for k in value if k not in accepted)
     if unknown:
         allowed = sorted(accepted - set(owned))

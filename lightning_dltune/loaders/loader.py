@@ -101,8 +101,12 @@ def quiet_fd_server_resets() -> None:
 
     def hook(exc_type: type, exc: BaseException, tb: Any) -> None:
         frame = tb.tb_frame if tb is not None else None
-        if (issubclass(exc_type, (ConnectionError, EOFError)) and frame is not None
-                and frame.f_code.co_name == "_serve" and frame.f_code.co_filename.endswith("resource_sharer.py")):
+        if (
+            issubclass(exc_type, (ConnectionError, EOFError))
+            and frame is not None
+            and frame.f_code.co_name == "_serve"
+            and frame.f_code.co_filename.endswith("resource_sharer.py")
+        ):
             return
         report(exc_type, exc, tb)
 

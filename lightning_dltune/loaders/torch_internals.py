@@ -287,8 +287,10 @@ def check_torch_internals() -> None:
         missing.append("DataLoader._index_sampler (property)")
     multi = getattr(_dataloader_module, "_MultiProcessingDataLoaderIter", None)
     base = getattr(_dataloader_module, "_BaseDataLoaderIter", None)
-    for owner, names in ((multi, ("_shutdown_workers", "_try_put_index", "_reset", "_next_index")),
-                         (base, ("_reset", "_next_index"))):
+    for owner, names in (
+        (multi, ("_shutdown_workers", "_try_put_index", "_reset", "_next_index")),
+        (base, ("_reset", "_next_index")),
+    ):
         if owner is None:
             missing.append("torch.utils.data.dataloader iterator classes")
             continue
@@ -302,7 +304,8 @@ def check_torch_internals() -> None:
     if missing:
         raise RuntimeError(
             f"lightning-dltune's loader switch relies on torch internals this torch {torch.__version__} lacks:"
-            f" {', '.join(missing)}. Pin torch to a tested version or update lightning_dltune/loaders/torch_internals.py."
+            f" {', '.join(missing)}. Pin torch to a tested version or update"
+            " lightning_dltune/loaders/torch_internals.py."
         )
 
 

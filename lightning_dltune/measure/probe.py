@@ -14,14 +14,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.stats import WindowStats
 from lightning_dltune.datamodule import TunableDataModule
 from lightning_dltune.loaders.collection import flatten_loaders
-from lightning_dltune.nvml.sampler import UtilizationSampler
-from lightning_dltune.measure.lightning_internals import fetches_per_step, time_fit_loop_fetches
 from lightning_dltune.loaders.loader import TunedDataLoader, batch_tensors, counters_of, tensor_bytes
 from lightning_dltune.loaders.switch import loader_config_of
+from lightning_dltune.measure.lightning_internals import fetches_per_step, time_fit_loop_fetches
 from lightning_dltune.measure.meter import WindowMeter
-from lightning_dltune.core.stats import WindowStats
+from lightning_dltune.nvml.sampler import UtilizationSampler
 
 
 def batch_size_and_bytes(batch: Any) -> tuple[int, int]:

@@ -7,7 +7,7 @@ machine. Nothing here imports torch or pynvml at module level.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional
 
 __all__ = [
     "GPU_IS_LOST",
@@ -31,7 +31,7 @@ _MIG_ENABLE = 1
 _VALUE_FIELDS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
-def cuda_device_identity(index: int) -> Tuple[Optional[str], Optional[str]]:
+def cuda_device_identity(index: int) -> tuple[Optional[str], Optional[str]]:
     """``(uuid, pci_bus_id)`` of CUDA device ``index`` as this process sees it.
 
     ``index`` is torch's ordinal, i.e. after ``CUDA_VISIBLE_DEVICES`` reordering; that is why NVML
@@ -58,7 +58,7 @@ def cuda_device_identity(index: int) -> Tuple[Optional[str], Optional[str]]:
     return (uuid_str or None), pci
 
 
-def parse_device(device: Any) -> Tuple[Optional[str], Optional[int]]:
+def parse_device(device: Any) -> tuple[Optional[str], Optional[int]]:
     """``(type, index)`` of a ``torch.device``, a device string or ``None``.
 
     Raises:
@@ -79,7 +79,7 @@ def parse_device(device: Any) -> Tuple[Optional[str], Optional[int]]:
     return dev_type, getattr(device, "index", None)
 
 
-def read_utilization_samples(nvml: Any, handle: Any, sample_type: int, cursor_us: int) -> list[Tuple[int, float]]:
+def read_utilization_samples(nvml: Any, handle: Any, sample_type: int, cursor_us: int) -> list[tuple[int, float]]:
     """Utilization samples newer than ``cursor_us`` as ``(timestamp_us, value in [0, 1])``, oldest first.
 
     NVML answers Not Found where no sample is newer than the cursor: that is an empty list here.
@@ -99,7 +99,7 @@ def read_utilization_samples(nvml: Any, handle: Any, sample_type: int, cursor_us
     )
 
 
-def find_handle(nvml: Any, uuid: Optional[str], pci: Optional[str]) -> Tuple[Any, Optional[str], bool, str]:
+def find_handle(nvml: Any, uuid: Optional[str], pci: Optional[str]) -> tuple[Any, Optional[str], bool, str]:
     """Handle of the device by UUID, else PCI bus id: ``(handle, matched_by, is_mig_slice, why_not)``.
 
     ``matched_by`` is ``"uuid"`` or ``"pci_bus_id"``; ``handle`` is ``None`` (with ``why_not``) when
@@ -169,8 +169,8 @@ def describe_nvml_error(err: BaseException) -> str:
 
 
 def open_device(
-    nvml: Any, device_index: Optional[int], identify: Callable[[int], Tuple[Optional[str], Optional[str]]]
-) -> Tuple[Any, Any, Optional[str], Optional[str], bool]:
+    nvml: Any, device_index: Optional[int], identify: Callable[[int], tuple[Optional[str], Optional[str]]]
+) -> tuple[Any, Any, Optional[str], Optional[str], bool]:
     """Start NVML and find the handle of CUDA device ``device_index`` (``None``: torch's current device).
 
     ``nvml``: the ``pynvml`` module, ``None`` to import it; ``identify``: ``(uuid, pci_bus_id)`` of a

@@ -17,29 +17,24 @@ import time
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_dltune.core import validation
+from lightning_dltune.core.stats import UtilSource
 from lightning_dltune.nvml.device import (
     GPU_IS_LOST,
     NOT_FOUND,
     cuda_device_identity,
     describe_nvml_error,
+    nvml_code,
+    nvml_error_code,
     open_device,
     parse_device,
     read_utilization_samples,
-    nvml_code,
-    nvml_error_code,
 )
-from lightning_dltune.core.stats import UtilSource
 from lightning_dltune.nvml.utilization import UtilizationWindow
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "MODE_RATES",
-    "MODE_SAMPLES",
-    "UtilizationSampler",
-    "cuda_device_identity",
-]
+__all__ = ["MODE_RATES", "MODE_SAMPLES", "UtilizationSampler", "cuda_device_identity"]
 
 MODE_SAMPLES = "samples"
 """Read from the driver's sample buffer (``nvmlDeviceGetSamples``), in batches, each sample weighted by its time."""
@@ -109,13 +104,11 @@ class UtilizationSampler:
     """
 
     def __init__(
-        self,
-        device: Union["torch.device", str, None],
-        nvml: Optional[object] = None,
-        poll_interval_s: float = 5.0,
+        self, device: Union[torch.device, str, None], nvml: Optional[object] = None, poll_interval_s: float = 5.0
     ) -> None:
-        self.poll_interval_s = validation.number("poll_interval_s", poll_interval_s, 0.0, math.inf,
-                                                 low_open=True, high_open=True)
+        self.poll_interval_s = validation.number(
+            "poll_interval_s", poll_interval_s, 0.0, math.inf, low_open=True, high_open=True
+        )
         self._device_type, self._device_index = parse_device(device)
         self._pid = os.getpid()
         self._nvml: Any = None
@@ -294,7 +287,9 @@ class UtilizationSampler:
             self._reason = f"not a CUDA device ({self._device_type or 'no device'})"
             return
         self._nvml, self._handle, self._matched_by, reason, self._initialised = open_device(
-            nvml, self._device_index, lambda index: cuda_device_identity(index)  # looked up here: tests patch it
+            nvml,
+            self._device_index,
+            lambda index: cuda_device_identity(index),  # looked up here: tests patch it
         )
         if reason is not None:
             if self._initialised:
@@ -413,5 +408,3 @@ class UtilizationSampler:
     def __repr__(self) -> str:
         state = f"mode={self._mode!r}" if self._available else f"reason={self._reason!r}"
         return f"{type(self).__name__}(source={self.source!r}, {state})"
-
-

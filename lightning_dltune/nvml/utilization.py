@@ -11,7 +11,7 @@ data. Times are microseconds on one clock.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Iterable, Optional, Sequence
 
 __all__ = [
     "GAP_PERIODS",
@@ -26,7 +26,7 @@ __all__ = [
 GAP_PERIODS = 2.5
 """A gap between two driver samples longer than this many sample periods is idle beyond one period."""
 
-Interval = Tuple[float, float, float]  # (start_us, end_us, value): the value covers (start, end]
+Interval = tuple[float, float, float]  # (start_us, end_us, value): the value covers (start, end]
 
 
 class TrainingSpans:
@@ -75,8 +75,9 @@ class TimeWeightedMean:
         self.weight = 0.0
         self.count = 0
 
-    def add(self, spans: Optional[TrainingSpans], start_us: float, end_us: float, value: float,
-            is_sample: bool = True) -> None:
+    def add(
+        self, spans: Optional[TrainingSpans], start_us: float, end_us: float, value: float, is_sample: bool = True
+    ) -> None:
         """Add ``value`` over ``(start_us, end_us]``; ``spans=None``: all of it counts (clocks not comparable)."""
         w = (end_us - start_us) if spans is None else spans.overlap(start_us, end_us)
         if w <= 0:
@@ -104,8 +105,9 @@ def sample_period_us(timestamps: Sequence[int], current: Optional[float]) -> Opt
     return float(steps[len(steps) // 2])
 
 
-def sample_intervals(samples: Iterable[Tuple[int, float]], previous_us: Optional[float],
-                     period_us: Optional[float]) -> list[Interval]:
+def sample_intervals(
+    samples: Iterable[tuple[int, float]], previous_us: Optional[float], period_us: Optional[float]
+) -> list[Interval]:
     """The intervals driver samples cover, idle gaps included as value ``0``.
 
     A sample ``(timestamp, value)`` reports the utilization over the time since the sample before
@@ -133,8 +135,9 @@ def sample_intervals(samples: Iterable[Tuple[int, float]], previous_us: Optional
     return out
 
 
-def idle_tail_us(spans: Optional[TrainingSpans], last_sample_us: Optional[float], now_us: float,
-                 period_us: Optional[float]) -> float:
+def idle_tail_us(
+    spans: Optional[TrainingSpans], last_sample_us: Optional[float], now_us: float, period_us: Optional[float]
+) -> float:
     """Training time after the newest sample that the driver left unsampled for longer than a gap: idle."""
     if spans is None or last_sample_us is None or period_us is None:
         return 0.0
@@ -188,13 +191,13 @@ class UtilizationWindow:
         if abs(newest_us - now_us) > self.CLOCK_SKEW_LIMIT_US:
             self.clock_ok = False
 
-    def skip_samples(self, samples: Sequence[Tuple[int, float]]) -> None:
+    def skip_samples(self, samples: Sequence[tuple[int, float]]) -> None:
         """Samples older than the window: they only move the clock of the next one on."""
         if samples:
             self.previous_us = float(samples[-1][0])
             self.period_us = sample_period_us([ts for ts, _ in samples], self.period_us)
 
-    def add_samples(self, samples: Sequence[Tuple[int, float]]) -> None:
+    def add_samples(self, samples: Sequence[tuple[int, float]]) -> None:
         """Driver samples ``(timestamp_us, value)`` in time order, newer than any added before."""
         if not samples:
             return

@@ -11,11 +11,11 @@ from typing import Any, Optional
 
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_dltune.measure.meter import WindowMeter
 from lightning_dltune.core.records import WindowRecord
-from lightning_dltune.report.words import decision_markdown
 from lightning_dltune.core.stats import UtilSource
+from lightning_dltune.measure.meter import WindowMeter
 from lightning_dltune.report.tensorboard import RECENT, custom_scalars_layout, tag
+from lightning_dltune.report.words import decision_markdown
 
 
 def window_scalars(

@@ -8,16 +8,16 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.report.console import say
 from lightning_dltune.core.history import best_config, median_rate
 from lightning_dltune.core.records import WindowRecord
+from lightning_dltune.report.console import say
 from lightning_dltune.report.words import VERBOSE_LINE, summary_table
 
 RECOMMENDATION_FILE = "dltune_recommendation.yaml"
 
 
 def recommend(history: Sequence[WindowRecord], min_gain: float = 0.05) -> Optional[WindowRecord]:
-    """The window to cite for the recommended config: the median window of :func:`~lightning_dltune.core.history.best_config`."""
+    """The window to cite: the median window of :func:`~lightning_dltune.core.history.best_config`."""
     best = best_config(history, min_gain)
     return None if best is None else median_rate(history, best)
 

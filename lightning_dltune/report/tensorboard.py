@@ -17,7 +17,7 @@ def tag(name: str) -> str:
 
 def utilization_title(estimate: bool) -> str:
     """The headline chart's title; where NVML cannot serve, it says the values are the estimate."""
-    return ("GPU busy (estimate) vs band: raw, judged" if estimate else "GPU utilization vs band: raw, judged")
+    return "GPU busy (estimate) vs band: raw, judged" if estimate else "GPU utilization vs band: raw, judged"
 
 
 def custom_scalars_layout(estimate: bool = False, recent: bool = False) -> dict[str, dict[str, list]]:
@@ -52,7 +52,10 @@ def _charts(estimate: bool, recent: bool) -> dict[str, dict[str, list[str]]]:
     detail = {
         "stall fraction (0-1 of fetches)": [tag("stall_fraction")],
         "fetch wait vs step time, hook to hook (ms)": [
-            tag("fetch_wait_ms"), tag("step_ms"), tag("fetch_wait_p95_ms"), tag("step_p95_ms")
+            tag("fetch_wait_ms"),
+            tag("step_ms"),
+            tag("fetch_wait_p95_ms"),
+            tag("step_p95_ms"),
         ],
         "stalls (fetches per window)": [tag("stalls")],
         "queue depth (ready batches)": [tag("queue_depth")],

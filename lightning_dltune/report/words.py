@@ -38,11 +38,16 @@ def config_change(record: WindowRecord) -> str:
     """``workers 0 -> 4, prefetch 2``: the config the window ran, and what changes next (``->``)."""
     before, after = record.config, record.next_config
     workers = f"workers {before.num_workers}" + (
-        f" -> {after.num_workers}" if after.num_workers != before.num_workers else "")
+        f" -> {after.num_workers}" if after.num_workers != before.num_workers else ""
+    )
     prefetch = f"prefetch {before.prefetch_factor}" + (
-        f" -> {after.prefetch_factor}" if after.prefetch_factor != before.prefetch_factor else "")
-    other = [f"{k} -> {v}" for k, v in after.as_dict().items()
-             if k not in ("num_workers", "prefetch_factor") and before.as_dict()[k] != v]
+        f" -> {after.prefetch_factor}" if after.prefetch_factor != before.prefetch_factor else ""
+    )
+    other = [
+        f"{k} -> {v}"
+        for k, v in after.as_dict().items()
+        if k not in ("num_workers", "prefetch_factor") and before.as_dict()[k] != v
+    ]
     return ", ".join([workers, prefetch, *other])
 
 
@@ -53,13 +58,17 @@ def window_line(record: WindowRecord, tuning: bool, verbose: int = VERBOSE_LINE)
     hook) and the reason in words. Without ``tuning`` a change is what the tuner would try.
     """
     change = "" if tuning or not record.changed else " (would try)"
-    line = (f"[dltune] {window_label(record)} | {config_change(record)}{change} | {utilization_words(record)}"
-            f" | {record.verdict}")
+    line = (
+        f"[dltune] {window_label(record)} | {config_change(record)}{change} | {utilization_words(record)}"
+        f" | {record.verdict}"
+    )
     if verbose < VERBOSE_REASON:
         return line
     s = record.stats
-    return (f"{line}\n[dltune]   {s.samples_per_s:,.0f} samples/s, fetch wait {_ms(s.fetch_wait_mean_s)} vs step"
-            f" {_ms(s.step_mean_s)} (hook to hook); {record_reason(record)}")
+    return (
+        f"{line}\n[dltune]   {s.samples_per_s:,.0f} samples/s, fetch wait {_ms(s.fetch_wait_mean_s)} vs step"
+        f" {_ms(s.step_mean_s)} (hook to hook); {record_reason(record)}"
+    )
 
 
 def record_reason(record: WindowRecord) -> str:
@@ -74,9 +83,11 @@ def decision_markdown(record: WindowRecord, tuning: bool) -> str:
     action = f"{verb} {record.next_config.short()}" if record.changed else "keep"
     judged = "" if record.judged_util is None else f", judged {record.judged_util:.0%}"
     starved = f", starved {record.stats.starvation_ratio:.0%}" if is_estimate(record) else ""
-    return (f"**{window_label(record)}**: {record.verdict}, {record.config.short()} → {action}  \n"
-            f"{utilization_words(record)}{judged}{starved}, {record.stats.samples_per_s:,.0f} samples/s  \n"
-            f"{record_reason(record)}")
+    return (
+        f"**{window_label(record)}**: {record.verdict}, {record.config.short()} → {action}  \n"
+        f"{utilization_words(record)}{judged}{starved}, {record.stats.samples_per_s:,.0f} samples/s  \n"
+        f"{record_reason(record)}"
+    )
 
 
 def batch_ranges(history: Sequence[WindowRecord]) -> list[str]:
@@ -96,25 +107,49 @@ def summary_table(history: Sequence[WindowRecord], recommended: Optional[WindowR
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="lightning-dltune: loader tuning", title_justify="left", box=box.SIMPLE_HEAD,
-                  show_edge=False, pad_edge=False)
-    columns = ("epoch", "batches", "workers", "prefetch", "GPU busy", "judged", "starved", "step ms",
-               "samples/s", "verdict")
+    table = Table(
+        title="lightning-dltune: loader tuning",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+    )
+    columns = (
+        "epoch",
+        "batches",
+        "workers",
+        "prefetch",
+        "GPU busy",
+        "judged",
+        "starved",
+        "step ms",
+        "samples/s",
+        "verdict",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column in ("batches", "verdict") else "right")
     for r, batches in zip(history, batch_ranges(history)):
         s, est = r.stats, "~" if is_estimate(r) else ""
         judged = "" if r.judged_util is None else f"{est}{r.judged_util:.0%}"
         table.add_row(
-            str(r.epoch), batches, str(r.config.num_workers), str(r.config.prefetch_factor),
-            f"{est}{s.utilization:.0%}", judged, f"{s.starvation_ratio:.0%}", f"{1e3 * s.step_mean_s:,.0f}",
-            f"{s.samples_per_s:,.0f}", str(r.verdict),
+            str(r.epoch),
+            batches,
+            str(r.config.num_workers),
+            str(r.config.prefetch_factor),
+            f"{est}{s.utilization:.0%}",
+            judged,
+            f"{s.starvation_ratio:.0%}",
+            f"{1e3 * s.step_mean_s:,.0f}",
+            f"{s.samples_per_s:,.0f}",
+            str(r.verdict),
         )
     buffer = io.StringIO()
     console = Console(file=buffer, width=120, force_terminal=False, color_system=None)
     console.print(table)
-    notes = ["judged: the GPU busy value the verdict judged (this window pooled with the config's recent ones)",
-             f"step ms: mean of {STEP_NOTE}"]
+    notes = [
+        "judged: the GPU busy value the verdict judged (this window pooled with the config's recent ones)",
+        f"step ms: mean of {STEP_NOTE}",
+    ]
     if any(is_estimate(r) for r in history):
         notes.append("~: an estimate, 1 - starved (no NVML: the GPU is taken to idle while the loop waits for data)")
     for note in notes:
@@ -244,7 +279,9 @@ def _in_band(v: dict[str, Any]) -> str:
 
 
 def _more_workers(v: dict[str, Any]) -> str:
-    note = f", prefetch {v['prefetch']} -> {v['to_prefetch']} to fit memory" if v["to_prefetch"] != v["prefetch"] else ""
+    note = (
+        f", prefetch {v['prefetch']} -> {v['to_prefetch']} to fit memory" if v["to_prefetch"] != v["prefetch"] else ""
+    )
     return f"{_starved(v)} with {_workers(v['workers'])}; {_cost(v)}: {_workers(v['to_workers'])}{note}"
 
 
@@ -288,8 +325,7 @@ _WORDS = {
         f"adding workers {v['from_workers']} -> {v['workers']} gained {v['gain']:+.0%} so far: measuring again"
     ),
     ReasonKind.COMPUTE_BOUND: lambda v: (
-        f"{_busy(v)} but starved only {v['starvation']:.1%}: the step is the bottleneck, "
-        "more workers cannot help"
+        f"{_busy(v)} but starved only {v['starvation']:.1%}: the step is the bottleneck, more workers cannot help"
     ),
     ReasonKind.STOPPED_HELPING: lambda v: (
         f"adding workers {v['from_workers']} -> {v['workers']} gained {v['gain']:+.0%} (< {v['min_gain']:.0%}): "
@@ -307,7 +343,9 @@ _WORDS = {
     ReasonKind.CPUS_SATURATED: lambda v: (
         f"{_starved(v)}, but {_workers(v['workers'])} already keep the {_cpus(v)} busy: the pipeline is CPU-bound"
     ),
-    ReasonKind.AT_WORKER_BUDGET: lambda v: f"{_starved(v)}; {_cost(v)}, but {_workers(v['workers'])} is the budget's most",
+    ReasonKind.AT_WORKER_BUDGET: lambda v: (
+        f"{_starved(v)}; {_cost(v)}, but {_workers(v['workers'])} is the budget's most"
+    ),
     ReasonKind.NO_MODELLED_GAIN: lambda v: (
         f"{_starved(v)}; {_cost(v)}, and {_workers(v['wanted'])} would gain only {v['gain']:+.0%} on "
         f"{v['cpus']:g} CPUs: the pipeline is CPU-bound"
@@ -316,7 +354,9 @@ _WORDS = {
         f"{_starved(v)} with {_workers(v['workers'])} and wants {v['wanted']}, but even {_short(v['config'])} "
         f"would hold {_memory(v)}: holding"
     ),
-    ReasonKind.MORE_WORKERS_UNDONE: lambda v: f"{_starved(v)}; {_cost(v)}, but more workers were tried and undone: holding",
+    ReasonKind.MORE_WORKERS_UNDONE: lambda v: (
+        f"{_starved(v)}; {_cost(v)}, but more workers were tried and undone: holding"
+    ),
     ReasonKind.MEMORY_CAPPED_WORKERS: lambda v: (
         f"{_starved(v)} with {_workers(v['workers'])} and wants {v['wanted']}, but {_workers(v['wanted'])} would "
         f"hold {_memory(v)}: {_short(v['to'])}"
@@ -325,12 +365,18 @@ _WORDS = {
     ReasonKind.GIVE_BACK_WORKERS: lambda v: (
         f"{_slack(v)}: the data side has slack, {_workers(v['to_workers'])} should keep ~{v['predicted']:.0%}: "
         f"giving back {v['workers']} -> {_workers(v['to_workers'])}"
-        + (f", prefetch {v['prefetch']} -> {v['to_prefetch']}" if v.get("to_prefetch", v.get("prefetch")) != v.get("prefetch") else "")
+        + (
+            f", prefetch {v['prefetch']} -> {v['to_prefetch']}"
+            if v.get("to_prefetch", v.get("prefetch")) != v.get("prefetch")
+            else ""
+        )
     ),
     ReasonKind.GIVE_BACK_PREFETCH: lambda v: (
         f"{_slack(v)}: the data side has slack: prefetch {v['prefetch']} -> {v['to_prefetch']}"
     ),
-    ReasonKind.SLACK_UNCONFIRMED: lambda v: f"{_slack(v)}: slack seen once, giving back after another window confirms it",
+    ReasonKind.SLACK_UNCONFIRMED: lambda v: (
+        f"{_slack(v)}: slack seen once, giving back after another window confirms it"
+    ),
     ReasonKind.LEANEST: lambda v: f"{_slack(v)}: {_short(v['config'])} is the least that keeps the band, holding",
     ReasonKind.IN_BAND: _in_band,
 }

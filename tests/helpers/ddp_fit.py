@@ -13,9 +13,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/helpers:
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
+from workloads import SleepStepModule, SleepyDataModule, SleepyDataset  # noqa: E402
 
 from lightning_dltune import DataLoaderTuner  # noqa: E402
-from workloads import SleepStepModule, SleepyDataModule, SleepyDataset  # noqa: E402
 
 SLOW_BATCH_COST_S = 0.06
 STEP_S = 0.02
@@ -53,8 +53,13 @@ def main(out_dir):
         "live_workers": [dl.num_workers for dl in dm.live_loaders()],
         "train_sampler": type(trainer.train_dataloader.sampler).__name__,
         "history": [
-            {"epoch": r.epoch, "num_workers": r.num_workers, "starvation_ratio": r.starvation_ratio,
-             "verdict": r.verdict, "next_workers": r.next_config.num_workers}
+            {
+                "epoch": r.epoch,
+                "num_workers": r.num_workers,
+                "starvation_ratio": r.starvation_ratio,
+                "verdict": r.verdict,
+                "next_workers": r.next_config.num_workers,
+            }
             for r in tuner.history
         ],
     }

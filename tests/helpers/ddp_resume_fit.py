@@ -13,7 +13,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/helpers:
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-
 from workloads import SleepStepModule, SleepyDataModule  # noqa: E402
 
 CHECKPOINT_EPOCH, CHECKPOINT_BATCH = 1, 2
@@ -35,10 +34,17 @@ def main(out_dir, phase, workers):
     if phase == "resume":
         model.train_indices.append([])  # Lightning skips on_train_epoch_start when it resumes mid-epoch
     trainer = pl.Trainer(
-        strategy="ddp", accelerator="cpu", devices=2, max_epochs=2,
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
         callbacks=[CheckpointAndStop(ckpt)] if phase == "first" else [],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        num_sanity_val_steps=0, limit_val_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
     )
     dm = SleepyDataModule(train_length=64, val_length=8, batch_size=4, num_workers=workers)
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt if phase == "resume" else None)

@@ -27,11 +27,18 @@ def command_env(tmp: Path) -> dict[str, str]:
 
 def run_script(*args: str, tmp: Path, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the installed ``dltune`` script with ``args`` to its end, output captured."""
-    return subprocess.run([str(DLTUNE_SCRIPT), *args], cwd=cwd, env=command_env(tmp), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [str(DLTUNE_SCRIPT), *args], cwd=cwd, env=command_env(tmp), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_module(*args: str, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python -m lightning_dltune`` with ``args`` to its end, output captured."""
-    return subprocess.run([sys.executable, "-m", "lightning_dltune", *args], cwd=REPO, env=command_env(tmp),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_dltune", *args],
+        cwd=REPO,
+        env=command_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

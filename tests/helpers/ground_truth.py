@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import pytest
+from pipeline_sim import Pipeline
 
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.records import Budget, PolicySettings, Verdict, WindowRecord
-from pipeline_sim import Pipeline
 
 DEFAULTS = PolicySettings()
 

@@ -95,8 +95,9 @@ class Pipeline:
 
     def steady_samples_per_s(self, config: LoaderConfig, cores: float) -> float:
         """Training samples per second of a long noise-free window at ``config`` (bursts and contention kept)."""
-        return _steady_rate(replace(self, noise=0.0, step_jitter=0.0), config.num_workers, config.prefetch_factor,
-                            float(cores))
+        return _steady_rate(
+            replace(self, noise=0.0, step_jitter=0.0), config.num_workers, config.prefetch_factor, float(cores)
+        )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -269,7 +270,9 @@ def _measure(run: _Run, pipeline: Pipeline, batches: int) -> WindowStats:
         startup_s=run.waits[0],
         worker_batch_s=production / len(run.worker_wall) if pipeline.measured else None,
         # CPU time over wall time: waiting for a contended CPU is wall time, not CPU time
-        worker_cpu_fraction=min(1.0, sum(run.worker_cpu) / production) if pipeline.measured and production > 0 else None,
+        worker_cpu_fraction=min(1.0, sum(run.worker_cpu) / production)
+        if pipeline.measured and production > 0
+        else None,
         batch_bytes=pipeline.batch_bytes,
         gpu_util=None,
         util_source=UtilSource.ESTIMATE,

@@ -27,9 +27,17 @@ class SleepyDataset(Dataset):
     (storage that slows down mid-fit; wall-clock time is the same in every worker process).
     """
 
-    def __init__(self, length: int = 256, dim: int = 8, batch_cost_s: float = 0.0, slow_every: int = 0,
-                 slow_factor: float = 1.0, fail_in_worker_above: Optional[int] = None,
-                 slow_after_s: Optional[float] = None, slower: float = 1.0) -> None:
+    def __init__(
+        self,
+        length: int = 256,
+        dim: int = 8,
+        batch_cost_s: float = 0.0,
+        slow_every: int = 0,
+        slow_factor: float = 1.0,
+        fail_in_worker_above: Optional[int] = None,
+        slow_after_s: Optional[float] = None,
+        slower: float = 1.0,
+    ) -> None:
         self.length = length
         self.dim = dim
         self.batch_cost_s = batch_cost_s
@@ -80,7 +88,9 @@ class CountingIterable(IterableDataset):
 class SleepStepModule(pl.LightningModule):
     """A tiny model whose training step also sleeps ``step_s``: an emulated accelerator step."""
 
-    def __init__(self, step_s: float = 0.0, val_step_s: float = 0.0, dim: int = 8, record_indices: bool = False) -> None:
+    def __init__(
+        self, step_s: float = 0.0, val_step_s: float = 0.0, dim: int = 8, record_indices: bool = False
+    ) -> None:
         super().__init__()
         self.layer = nn.Linear(dim, 1)
         self.step_s = step_s
@@ -127,8 +137,15 @@ class SleepStepModule(pl.LightningModule):
 class SleepyDataModule(TunableDataModule, pl.LightningDataModule):
     """A TunableDataModule over :class:`SleepyDataset` train and val sets."""
 
-    def __init__(self, train_length: int = 256, val_length: int = 64, batch_cost_s: float = 0.0,
-                 val_batch_cost_s: float = 0.0, dataset_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        train_length: int = 256,
+        val_length: int = 64,
+        batch_cost_s: float = 0.0,
+        val_batch_cost_s: float = 0.0,
+        dataset_kwargs: Optional[dict] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.train_length = train_length
         self.val_length = val_length
