@@ -210,11 +210,11 @@ class _FakeLoad:
 
 @pytest.mark.slow
 def test_check_gpu_passes_every_check_against_a_faithful_fake_device(monkeypatch):
-    """The whole NVML check, CUDA and the driver faked as tests/test_gpu.py fakes them: the script runs through."""
+    """The whole NVML check, CUDA and the driver faked as in tests/test_nvml_sampler.py: the script runs through."""
     import types
 
     import torch
-    from test_gpu import LiveGPU, LiveNVML
+    from test_nvml_sampler import LiveGPU, LiveNVML
 
     import lightning_dltune.nvml.sampler as gpu_module
 
