@@ -33,6 +33,18 @@ from lightning_dltune.report.words import VERBOSE_LINE, VERBOSE_REASON, window_l
 UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
 
 
+def _not_tunable_notice(datamodule: Any) -> str:
+    """Why the loaders of this fit are only measured, in the words of the user's own set-up."""
+    if datamodule is None:
+        source = "the loaders come from the LightningModule (or the arguments of fit), not a TunableDataModule"
+    else:
+        source = f"the datamodule ({type(datamodule).__name__}) is not a TunableDataModule"
+    return (
+        f"DataLoaderTuner: {source}, so they cannot be rebuilt; measuring, logging and recommending only"
+        " (to tune them, build them in a TunableDataModule)."
+    )
+
+
 class DataLoaderTuner(Callback):
     r"""Measure how long training waits for data and keep the accelerator fed by retuning the loaders.
 
@@ -236,12 +248,7 @@ class DataLoaderTuner(Callback):
         datamodule = trainer.datamodule
         self._start_fit(datamodule if isinstance(datamodule, TunableDataModule) else None)
         if self.tune and not self._run.tuning:
-            self._say_once(
-                trainer,
-                "no-mixin",
-                "DataLoaderTuner: the datamodule is not a TunableDataModule, so its"
-                " loaders cannot be rebuilt; measuring, logging and recommending only.",
-            )
+            self._say_once(trainer, "no-mixin", _not_tunable_notice(datamodule))
         device = trainer.strategy.root_device
         sampler = self._probe.open_sampler(
             None if self.util_source == UtilSource.ESTIMATE else device, self.nvml_poll_interval_s

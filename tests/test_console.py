@@ -1,8 +1,17 @@
-"""console: lines go through an enabled progress bar; a notice is said once per fit."""
+"""console: lines go through an enabled progress bar and reach the terminal under TQDM; notices are said once."""
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
+
+import pytest
 
 from lightning_dltune.report.console import Notices, say
+
+HELPERS = Path(__file__).parent / "helpers"
+REPO = Path(__file__).parents[1]
 
 
 class Bar:
@@ -47,3 +56,32 @@ def test_a_notice_is_said_once_per_fit_and_again_after_a_reset():
         notices.once(None, "warn", "a warning on every rank", warn=True, all_ranks=True)
         notices.once(None, "warn", "a warning on every rank", warn=True, all_ranks=True)
     assert [str(w.message) for w in caught] == ["a warning on every rank"]
+
+
+@pytest.mark.slow
+def test_the_final_table_and_the_notices_reach_the_terminal_under_a_tqdm_bar(tmp_path):
+    # TQDMProgressBar.print drops text before its first bar (setup) and after its last one closed (on_fit_end)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(HELPERS / "module_loaders_project.py"),
+            "fit",
+            "--trainer.max_epochs=2",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.callbacks+=lightning_dltune.DataLoaderTuner",
+            "--trainer.callbacks.window_batches=4",
+        ],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    terminal = proc.stdout + proc.stderr
+    assert "Epoch 1: 100%" in proc.stdout  # the TQDM bar ran
+    notice = [line for line in terminal.splitlines() if line.startswith("DataLoaderTuner: ")]
+    assert len(notice) == 1 and "the loaders come from the LightningModule" in notice[0], notice
+    assert "lightning-dltune: loader tuning" in proc.stdout
+    assert "recommended: workers=" in proc.stdout
+    assert "[dltune] recommendation written to" in proc.stdout

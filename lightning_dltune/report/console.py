@@ -5,19 +5,27 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 
 def say(trainer: Any, text: str) -> None:
-    """Print ``text`` on rank zero, through the progress bar's own ``print`` while one is enabled.
+    """Print ``text`` on rank zero so that it reaches the terminal and the progress bar stays whole.
 
-    TQDM writes it above the live bar and Rich above its live display; without a bar (or with it
-    disabled) the line goes to Lightning's logger as ``rank_zero_info`` does.
+    With a TQDM bar the text goes through TQDM's own ``write``: above the live bar while one runs, and
+    plainly when none does (``TQDMProgressBar.print`` drops text before the first bar, in ``setup``, and
+    after the last one closed, in ``on_fit_end``). Any other bar's ``print`` is used (Rich writes above
+    its live display); without a bar (or with it disabled) the line goes to Lightning's logger as
+    ``rank_zero_info`` does.
     """
     bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
     if bar is not None and getattr(bar, "is_enabled", False):
         if trainer.is_global_zero:
-            bar.print(text)
+            if isinstance(bar, TQDMProgressBar):
+                Tqdm.write(text)
+            else:
+                bar.print(text)
         return
     rank_zero_info(text)
 

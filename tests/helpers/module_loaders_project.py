@@ -1,0 +1,55 @@
+"""A Lightning project shaped like the ones in the wild: loaders built in the LightningModule, its own
+``LightningCLI(Model)`` with a TQDM bar in the trainer defaults, the tuner added from the command line.
+
+Usage: python tests/helpers/module_loaders_project.py fit --trainer.callbacks+=lightning_dltune.DataLoaderTuner ...
+The accelerator step is emulated by a sleep in the training process (the host idles while a GPU computes).
+"""
+
+import time
+
+import torch
+from lightning import LightningModule
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.cli import LightningCLI
+from torch.utils.data import DataLoader, Dataset
+
+
+class SlowSamples(Dataset):
+    """Samples that take 2 ms each to load; each is its own index, so a test can count them."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(0.002)
+        return torch.full((4,), float(index))
+
+
+class Model(LightningModule):
+    def __init__(self, batch_size: int = 4, workers: int = 0, step_ms: float = 5.0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        time.sleep(self.hparams.step_ms / 1000.0)
+        return self.layer(batch).sum()
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.layer(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(SlowSamples(64), self.hparams.batch_size, shuffle=True, num_workers=self.hparams.workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(SlowSamples(16), self.hparams.batch_size, num_workers=self.hparams.workers)
+
+
+if __name__ == "__main__":
+    LightningCLI(Model, trainer_defaults={"callbacks": [TQDMProgressBar(refresh_rate=10)], "accelerator": "cpu"})
