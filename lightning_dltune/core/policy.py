@@ -7,36 +7,53 @@ puts into words.
 
 How :func:`decide` thinks, first rule that applies wins:
 
-1. **Budgets.** A config over ``Budget.max_workers``, the prefetch memory budget or the ``/dev/shm``
-   budget is never kept nor picked (prefetch gives way first, then workers).
+1. **Budgets.** Never more workers than ``Budget.max_workers``; never a config whose prefetched
+   batches (workers x prefetch x measured batch bytes, twice with pinned copies) exceed the memory
+   budget (``memory_fraction`` of available RAM or cgroup headroom) or the ``/dev/shm`` budget
+   (``shm_fraction`` of its free space): verdict *memory-capped*; prefetch gives way first, then
+   workers. Usable CPUs come from the affinity mask and the cgroup quota, shared among the node's
+   ranks; after a switch that failed, the worker budget goes at most halfway back up to the count
+   that failed.
 2. **New conditions, suspected.** One window unlike the config's earlier ones (a worker's time per
-   batch off by more than half, the step time by more than a tenth, each beyond three standard
-   deviations; see :func:`~lightning_dltune.core.history.detect_shift`): hold and measure again. Two in a
-   row that agree are new conditions: what was learned before them is dropped
-   (:func:`~lightning_dltune.core.history.recall`) and the rules below judge them alone.
+   batch off by more than half, the step time by more than a tenth, or, where the loader cannot say
+   what a batch costs, starvation by more than 15 points; each also beyond three standard deviations
+   of the earlier windows and outside all of them; see :func:`~lightning_dltune.core.history.detect_shift`):
+   hold and measure again, since one window is noise (a heavy-tailed cost alone makes lucky and
+   unlucky ones). Two in a row that agree are new conditions (storage slowed, a neighbour took the
+   CPUs): what was learned before them (pooled windows, undone configs, worker and prefetch ceilings,
+   the rebuild count) is dropped (:func:`~lightning_dltune.core.history.recall`) and the rules below
+   judge the new windows alone.
 3. **Rebuild cap.** After ``max_rebuilds`` changes under the same conditions, nothing changes any more.
 4. **Judge the last change, on two windows.** More workers or deeper prefetch that lowered throughput
    by more than ``min_gain``, or a give-back that left the loop starved below the band, is measured
-   again, then undone. An undone config is not tried again under the same conditions (one undone while
-   the step itself slowed, contention, is retried after ``RETRY_AFTER_WINDOWS``); a slower step up
-   of several workers is retried smaller.
-5. **Below the band and starved:** add throughput, sized by the model so that one rebuild lands near
-   the answer. Bursty stalls (most fetches find a batch ready, the workers make enough on average) get
-   deeper prefetch; steady starvation gets workers (at prefetch 1 where prefetched batches weigh on
-   the memory budget). Workers stop at the CPU saturation point, where the model says more would gain
-   less than ``min_gain``, where the last increase gained less than ``min_gain`` although the model
-   expected at least twice that, or at the budget; memory may cap them.
-6. **Below the band, not starved:** compute-bound; workers cannot help.
-7. **Above the band:** the data side has slack; give all of it back in one step: the fewest workers
-   the model says keep utilization at the band's top, and prefetch back to the default of 2 where the
-   queue never ran dry. Never down to a config that was starved under today's conditions, and only on
-   two windows' evidence (slack costs CPU and RAM, starving costs throughput; one lucky window of a
-   heavy-tailed cost is not slack).
+   again (one window is noise until a second agrees), then undone. If the step itself got more than
+   25 % slower meanwhile, the machine was busy (contention), not necessarily the config: that undo
+   expires after ``RETRY_AFTER_WINDOWS`` (16) windows, doubling each time it repeats. Other undone
+   configs are not tried again under the same conditions. A slower step up of several workers is
+   retried smaller before the CPUs are called saturated: no CPU limit is declared at a count not
+   measured against one worker more.
+5. **Below the band and starved:** add throughput, sized by the model rather than by doubling. The
+   tuner's loaders measure, inside the workers, the wall and CPU time to make one batch; Little's law
+   gives the workers that feed the step (with ``headroom``, 20 %), so one rebuild lands near the
+   answer. CPU work slows down once workers outnumber the CPUs and waiting on storage does not: a
+   CPU-bound pipeline stops near the core count (*data-bound (CPU saturated)*), an I/O-bound one goes
+   past it (*data-bound (I/O)*). Workers also stop where the model says more would gain less than
+   ``min_gain``, where the last increase gained less than ``min_gain`` although the model expected at
+   least twice that, or at the budget; memory may cap them. Bursty stalls (most fetches find a batch
+   ready, the workers make enough on average) get deeper prefetch instead. Where prefetched batches
+   are a noticeable share (a quarter) of the memory budget, new workers start at prefetch 1: steady
+   starvation needs one batch in flight per worker, and bursts then earn deeper prefetch.
+6. **Below the band, not starved:** *compute-bound*; more workers cannot help, nothing changes.
+7. **Above the band:** the data side has slack, and slack costs processes and memory: give all of it
+   back in one step, the fewest workers the model says keep utilization at the band's top and, where
+   the queue never ran dry, prefetch back to the default of 2. Never down to a config that was starved
+   under today's conditions, and only on two windows' evidence (slack costs CPU and RAM, starving
+   costs throughput; one lucky window of a heavy-tailed cost is not slack).
 8. **In the band**, or not clearly outside it: hold.
 
 Noise: a config is judged on its last windows in a row pooled together (up to eight), and "clearly
-outside" means beyond the band by ``hysteresis`` plus the standard error of those windows' utilization
-(twice that above the band), so a config sitting at an edge does not flip back and forth.
+outside" means beyond the band by ``hysteresis`` (0.02) plus the standard error of those windows'
+utilization (twice that above the band), so a config sitting at an edge does not flip back and forth.
 """
 
 from __future__ import annotations
