@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning_dltune.report.console import Notices, say
 
@@ -58,25 +59,29 @@ def test_a_notice_is_said_once_per_fit_and_again_after_a_reset():
     assert [str(w.message) for w in caught] == ["a warning on every rank"]
 
 
-@pytest.mark.slow
-def test_the_final_table_and_the_notices_reach_the_terminal_under_a_tqdm_bar(tmp_path):
-    # TQDMProgressBar.print drops text before its first bar (setup) and after its last one closed (on_fit_end)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(HELPERS / "module_loaders_project.py"),
-            "fit",
-            "--trainer.max_epochs=2",
-            f"--trainer.default_root_dir={tmp_path}",
-            "--trainer.callbacks+=lightning_dltune.DataLoaderTuner",
-            "--trainer.callbacks.window_batches=4",
-        ],
+def _run_project(tmp_path, *args, model="plain"):
+    """The user's own project (loaders in its LightningModule, TQDM bar) with the tuner added from the command line."""
+    return subprocess.run(
+        [sys.executable, str(HELPERS / "module_loaders_project.py"), "fit", *args],
         cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=str(REPO), DLTUNE_TEST_MODEL=model),
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+FIT = [
+    "--trainer.max_epochs=2",
+    "--trainer.callbacks+=lightning_dltune.DataLoaderTuner",
+    "--trainer.callbacks.window_batches=4",
+]
+
+
+@pytest.mark.slow
+def test_the_final_table_and_the_notices_reach_the_terminal_under_a_tqdm_bar(tmp_path):
+    # TQDMProgressBar.print drops text before its first bar (setup) and after its last one closed (on_fit_end)
+    proc = _run_project(tmp_path, f"--trainer.default_root_dir={tmp_path}", *FIT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     terminal = proc.stdout + proc.stderr
     assert "Epoch 1: 100%" in proc.stdout  # the TQDM bar ran
@@ -84,4 +89,23 @@ def test_the_final_table_and_the_notices_reach_the_terminal_under_a_tqdm_bar(tmp
     assert len(notice) == 1 and "the loaders come from the LightningModule" in notice[0], notice
     assert "lightning-dltune: loader tuning" in proc.stdout
     assert "recommended: workers=" in proc.stdout
-    assert "[dltune] recommendation written to" in proc.stdout
+    # the model's knob is `workers`: no fragment `--config` would refuse, the DataLoader arguments in words
+    assert not list(tmp_path.rglob("dltune_recommendation.yaml"))
+    words = [line for line in proc.stdout.splitlines() if line.startswith("[dltune] to use the recommendation")]
+    assert len(words) == 1 and "set num_workers=" in words[0] and "prefetch_factor=" in words[0], words
+    assert "LightningModule (Model) takes no num_workers argument" in words[0]
+
+
+@pytest.mark.slow
+def test_a_recommendation_for_a_models_own_loader_arguments_is_accepted_back_by_its_cli(tmp_path):
+    proc = _run_project(tmp_path, f"--trainer.default_root_dir={tmp_path}", *FIT, model="named")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = next(tmp_path.rglob("dltune_recommendation.yaml"))
+    fragment = yaml.safe_load(rec.read_text())
+    assert set(fragment) == {"model"} and set(fragment["model"]) == {"num_workers", "prefetch_factor"}
+    assert f"--config {rec}" in rec.read_text()  # its own comment names where it is
+    said = [line for line in proc.stdout.splitlines() if line.startswith("[dltune] recommendation written to")]
+    assert len(said) == 1 and "pin_memory=" in said[0] and "persistent_workers=" in said[0], said
+    again = _run_project(tmp_path, "--config", str(rec), "--print_config", model="named")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert yaml.safe_load(again.stdout)["model"]["num_workers"] == fragment["model"]["num_workers"]

@@ -1,9 +1,17 @@
-"""The fit's recommended loader config: which window to cite, and the LightningCLI fragment that carries it."""
+"""The fit's recommended loader config: which window to cite, and how it reaches the user's own arguments.
+
+Where the loaders' owner (the datamodule, else the LightningModule) takes the loader settings as
+constructor arguments of the same names, the recommendation is a LightningCLI fragment to pass with
+``--config``; otherwise no file is written (one that ``--config`` refuses helps nobody) and the console
+says which ``DataLoader`` arguments to set, with the numbers.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import yaml
 
@@ -14,6 +22,41 @@ from lightning_dltune.report.console import say
 from lightning_dltune.report.words import VERBOSE_LINE, summary_table
 
 RECOMMENDATION_FILE = "dltune_recommendation.yaml"
+_SETTINGS = tuple(field.name for field in dataclasses.fields(LoaderConfig))
+
+
+class Target(NamedTuple):
+    """Where a recommendation goes: the LightningCLI section and the settings its class takes by name."""
+
+    section: str  # "data" or "model"
+    keys: tuple[str, ...]  # the loader settings its constructor takes; () when none
+    owner: str  # the owner in words, e.g. "the LightningModule (Model)"
+
+
+def target_of(trainer: Any) -> Target:
+    """The loaders' owner in this fit (the datamodule, else the LightningModule) and the settings it takes."""
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None:
+        owner, section, kind = datamodule, "data", "the datamodule"
+    else:
+        owner, section, kind = trainer.lightning_module, "model", "the LightningModule"
+    from lightning_dltune.datamodule import TunableDataModule  # its subclasses take them through **kwargs
+
+    keys = _SETTINGS if isinstance(owner, TunableDataModule) else _named_arguments(type(owner))
+    return Target(section, keys if "num_workers" in keys else (), f"{kind} ({type(owner).__name__})")
+
+
+def _named_arguments(cls: type) -> tuple[str, ...]:
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return ()
+    return tuple(name for name in _SETTINGS if name in parameters)
+
+
+def _as_arguments(config: LoaderConfig, keys: Sequence[str]) -> str:
+    values = config.as_dict()
+    return ", ".join(f"{key}={values[key]}" for key in keys)
 
 
 def recommend(history: Sequence[WindowRecord], min_gain: float = 0.05) -> Optional[WindowRecord]:
@@ -22,27 +65,37 @@ def recommend(history: Sequence[WindowRecord], min_gain: float = 0.05) -> Option
     return None if best is None else median_rate(history, best)
 
 
-def recommendation_yaml(config: LoaderConfig, note: str = "") -> str:
+def recommendation_yaml(
+    config: LoaderConfig,
+    note: str = "",
+    path: str = RECOMMENDATION_FILE,
+    section: str = "data",
+    keys: Sequence[str] = _SETTINGS,
+) -> str:
     """A LightningCLI config fragment: ``--config`` it after your own config to use the recommendation.
 
-    The values sit directly under ``data:``, the form that both ``dltune fit`` (the datamodule given
-    as ``class_path``/``init_args``) and a user's own ``LightningCLI(Model, DataModule)`` accept.
+    The values sit directly under ``section`` (``data:`` or ``model:``), the form that both ``dltune fit``
+    (classes given as ``class_path``/``init_args``) and a user's own ``LightningCLI(Model, DataModule)``
+    accept; only ``keys``, the settings that class takes, are written.
     """
-    header = "# lightning-dltune recommendation: pass it after your config, e.g.\n"
-    header += "#   dltune fit --config configs/demo.yaml --config dltune_recommendation.yaml\n"
-    header += "#   python train.py fit --config my.yaml --config dltune_recommendation.yaml   (your own LightningCLI)\n"
+    header = "# lightning-dltune recommendation: pass it after your own config, e.g.\n"
+    header += f"#   python train.py fit --config my.yaml --config {path}\n"
+    header += "# (dltune fit takes it the same way)\n"
     if note:
         header += f"# {note}\n"
-    body = {"data": config.as_dict()}
+    values = config.as_dict()
+    body = {section: {key: values[key] for key in keys}}
     return header + yaml.safe_dump(body, sort_keys=False)
 
 
-def write_recommendation(directory: str, config: LoaderConfig, note: str = "") -> str:
+def write_recommendation(
+    directory: str, config: LoaderConfig, note: str = "", section: str = "data", keys: Sequence[str] = _SETTINGS
+) -> str:
     """Write :func:`recommendation_yaml` to ``directory/dltune_recommendation.yaml``; returns its path."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, RECOMMENDATION_FILE)
     with open(path, "w", encoding="utf-8") as f:
-        f.write(recommendation_yaml(config, note))
+        f.write(recommendation_yaml(config, note, path, section, keys))
     return path
 
 
@@ -64,10 +117,26 @@ def conclude_fit(
         return best.config, None
     if verbose >= VERBOSE_LINE:
         say(trainer, summary_table(history, best))
+    target = target_of(trainer)
     path = None
-    if writes and directory:
+    if writes and directory and target.keys:
         note = f"measured {best.samples_per_s:,.0f} samples/s, the median of its windows ({best.verdict})"
-        path = write_recommendation(directory, best.config, note)
-        if verbose >= VERBOSE_LINE:
-            say(trainer, f"[dltune] recommendation written to {path}")
+        path = write_recommendation(directory, best.config, note, target.section, target.keys)
+    if verbose >= VERBOSE_LINE:
+        say(trainer, _how_to_apply(best.config, target, path))
     return best.config, path
+
+
+def _how_to_apply(config: LoaderConfig, target: Target, path: Optional[str]) -> str:
+    """The console's last word: the file to pass with ``--config``, or the DataLoader arguments to set."""
+    rest = [key for key in _SETTINGS if key not in target.keys]
+    if path is not None:
+        text = f"[dltune] recommendation written to {path} (for `{target.section}:`, {target.owner})"
+        if rest:
+            text += f"; {target.owner} takes no {', '.join(rest)}: set {_as_arguments(config, rest)} on its DataLoader"
+        return text
+    why = "" if target.keys else f" ({target.owner} takes no num_workers argument a config could set)"
+    return (
+        f"[dltune] to use the recommendation, set {_as_arguments(config, _SETTINGS)} on the training"
+        f" DataLoader of {target.owner}{why}"
+    )

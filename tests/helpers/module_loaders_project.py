@@ -2,9 +2,12 @@
 ``LightningCLI(Model)`` with a TQDM bar in the trainer defaults, the tuner added from the command line.
 
 Usage: python tests/helpers/module_loaders_project.py fit --trainer.callbacks+=lightning_dltune.DataLoaderTuner ...
+``Model`` names its knob ``workers`` (no config fragment can set a DataLoader's ``num_workers`` through it);
+with ``DLTUNE_TEST_MODEL=named`` the CLI drives ``NamedModel``, which takes ``num_workers`` and ``prefetch_factor``.
 The accelerator step is emulated by a sleep in the training process (the host idles while a GPU computes).
 """
 
+import os
 import time
 
 import torch
@@ -31,11 +34,12 @@ class SlowSamples(Dataset):
 class Model(LightningModule):
     def __init__(self, batch_size: int = 4, workers: int = 0, step_ms: float = 5.0) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.batch_size, self.step_ms = batch_size, step_ms
+        self.loader_kwargs = {"num_workers": workers}
         self.layer = torch.nn.Linear(4, 1)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        time.sleep(self.hparams.step_ms / 1000.0)
+        time.sleep(self.step_ms / 1000.0)
         return self.layer(batch).sum()
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -45,11 +49,19 @@ class Model(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(SlowSamples(64), self.hparams.batch_size, shuffle=True, num_workers=self.hparams.workers)
+        return DataLoader(SlowSamples(64), self.batch_size, shuffle=True, **self.loader_kwargs)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(SlowSamples(16), self.hparams.batch_size, num_workers=self.hparams.workers)
+        return DataLoader(SlowSamples(16), self.batch_size, **self.loader_kwargs)
+
+
+class NamedModel(Model):
+    def __init__(self, batch_size: int = 4, num_workers: int = 0, prefetch_factor: int = 2, step_ms: float = 5.0):
+        super().__init__(batch_size, num_workers, step_ms)
+        if num_workers:
+            self.loader_kwargs["prefetch_factor"] = prefetch_factor
 
 
 if __name__ == "__main__":
-    LightningCLI(Model, trainer_defaults={"callbacks": [TQDMProgressBar(refresh_rate=10)], "accelerator": "cpu"})
+    model = NamedModel if os.environ.get("DLTUNE_TEST_MODEL") == "named" else Model
+    LightningCLI(model, trainer_defaults={"callbacks": [TQDMProgressBar(refresh_rate=10)], "accelerator": "cpu"})
