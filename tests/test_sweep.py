@@ -71,6 +71,7 @@ def test_sweep_prints_a_table_of_every_point_and_the_recommendation(swept):
     assert sum(row.rstrip("│ ").endswith("<-") for row in rows) == 1
     assert "recommended: workers=" in stdout
     assert "median of 4 steps" in stdout  # the step was timed on the model, not given by a flag
+    assert not [line for line in stdout.splitlines() if line != line.rstrip()]  # no padding to the console width
 
 
 @pytest.mark.slow

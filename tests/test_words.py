@@ -124,6 +124,7 @@ def test_the_table_tells_each_windows_story_and_cites_the_median_window():
     assert "hook to hook" in table and "~: an estimate" in table
     assert "recommended: workers=0" in table and "its median window: epoch 0 to batch 10" in table
     assert max(len(line) for line in table.splitlines()) <= 120
+    assert not [line for line in table.splitlines() if line != line.rstrip()]  # no padding to the console width
     cpu_bound = replace(later, verdict=Verdict.DATA_BOUND_CPU, config=LoaderConfig(num_workers=12, prefetch_factor=8))
     row = [line for line in summary_table([cpu_bound], None).splitlines() if "data-bound" in line]
     assert row and row[0].rstrip().endswith("data-bound (CPU saturated)")  # a row is one line

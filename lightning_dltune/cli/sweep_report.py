@@ -6,7 +6,7 @@ import io
 import json
 
 from lightning_dltune.cli.sweep import SweepResult
-from lightning_dltune.report.words import byte_text
+from lightning_dltune.report.words import byte_text, console_text
 
 JSON_FILE = "dltune_sweep.json"
 HEATMAP_FILE = "dltune_sweep.png"
@@ -73,7 +73,7 @@ def sweep_table(result: SweepResult) -> str:
             f" predicted fit ({rec.fit_samples_per_s:,.0f} of {best:,.0f} samples/s;"
             f" starvation {rec.predicted_starvation:.0%})"
         )
-    return buffer.getvalue().rstrip("\n")
+    return console_text(buffer)
 
 
 def write_json(result: SweepResult, path: str) -> str:
@@ -98,7 +98,8 @@ def write_heatmap(result: SweepResult, path: str) -> str:
         cols = [0] if not p.config.num_workers else [prefetch.index(p.config.prefetch_factor)]
         for col in cols:
             grid[row, col] = np.fmax(grid[row, col], p.samples_per_s)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(prefetch), 1.2 + 0.6 * len(workers)))
+    # at least wide enough for the two-line title, a one-column grid included
+    fig, ax = plt.subplots(figsize=(max(3.6, 1.6 + 1.3 * len(prefetch)), 1.4 + 0.6 * len(workers)))
     image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", aspect="auto", origin="lower")
     low, high = np.nanmin(grid), np.nanmax(grid)
     for (row, col), value in np.ndenumerate(grid):
@@ -116,7 +117,7 @@ def write_heatmap(result: SweepResult, path: str) -> str:
     ax.set_yticks(range(len(workers)), [f"{w} (main)" if w == 0 else str(w) for w in workers])
     ax.set_xlabel("prefetch_factor")
     ax.set_ylabel("num_workers")
-    ax.set_title(f"samples/s, train loader alone (step {result.step_ms:.0f} ms)", fontsize=10)
+    ax.set_title(f"samples/s, train loader alone\n(step {result.step_ms:.0f} ms)", fontsize=10)
     fig.colorbar(image, ax=ax, label="samples/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -101,6 +101,11 @@ def batch_ranges(history: Sequence[WindowRecord]) -> list[str]:
     return ranges
 
 
+def console_text(buffer: io.StringIO) -> str:
+    """What a Rich console wrote to ``buffer``, without the spaces it pads each line with to its width."""
+    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip("\n").split("\n"))
+
+
 def summary_table(history: Sequence[WindowRecord], recommended: Optional[WindowRecord]) -> str:
     """The end-of-fit table, one row per window, and the recommended config (rendered with rich)."""
     from rich import box
@@ -159,7 +164,7 @@ def summary_table(history: Sequence[WindowRecord], recommended: Optional[WindowR
             f"recommended: {recommended.config.short()} "
             f"({recommended.samples_per_s:,.0f} samples/s, its median window: {window_label(recommended)})"
         )
-    return buffer.getvalue().rstrip("\n")
+    return console_text(buffer)
 
 
 # ------------------------------------------------------------------------------------------------
