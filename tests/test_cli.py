@@ -144,7 +144,7 @@ USER_SCRIPT = """
 import sys
 sys.path[:0] = [{repo!r}, {tests!r}]
 from lightning.pytorch.cli import LightningCLI
-from workloads import SleepStepModule, SleepyDataModule
+from fit_workloads import SleepStepModule, SleepyDataModule
 LightningCLI(SleepStepModule, SleepyDataModule)
 """
 
@@ -270,8 +270,12 @@ def test_installed_dltune_script_exits_0_after_a_successful_fit(tmp_path):
         "fit", "--config", "configs/demo.yaml", *TINY, "--trainer.max_epochs", "1", *logs_args(tmp_path), tmp=tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "DLTuneCLI object" not in proc.stdout + proc.stderr
-    assert "[dltune] epoch 0" in proc.stdout + proc.stderr  # it did train
+    output = proc.stdout + proc.stderr
+    assert "DLTuneCLI object" not in output
+    assert "[dltune] epoch 0" in output  # it did train
+    # Lightning's install tips and torch's pytree deprecations are hidden; Lightning's own warnings are not
+    assert "Tip:" not in output and "_pytree" not in output and "LeafSpec" not in output
+    assert "log_every_n_steps" in output  # fewer batches than the logging interval: still said
 
 
 @pytest.mark.parametrize("launcher", ["script", "module"])
@@ -321,3 +325,164 @@ def test_stray_modules_in_the_current_directory_do_not_shadow_installed_ones(tmp
     assert set(found) == {"psutil", "pynvml"}
     assert all("site-packages" in path for path in found.values()), found
     assert not (tmp_path / "stray_module_imported").exists()
+
+
+# -- feeling like LightningCLI: the sweep in --help, underscore options, short errors, no abbreviations --
+def test_help_lists_the_sweep_among_the_subcommands(tmp_path):
+    proc = run_script("--help", tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "{fit,validate,test,predict,sweep}" in proc.stdout
+    assert any(line.split()[:2] == ["sweep", "The"] for line in proc.stdout.splitlines())  # with its description
+
+
+def test_sweep_help_names_its_options_with_underscores_and_the_hyphen_aliases(tmp_path):
+    proc = run_script("sweep", "--help", tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    usage = proc.stdout.split("\n\n", 1)[0]
+    for option in ("--step_ms", "--seconds_per_point", "--min_gain"):
+        assert f"[{option} " in usage, option
+        assert f"{option} {option[2:].upper()}, --{option[2:].replace('_', '-')} " in proc.stdout, option
+
+
+def test_sweep_takes_the_hyphen_aliases_and_names_the_underscore_option_in_errors(tmp_path):
+    out = tmp_path / "out"
+    args = ("--step-ms", "5", "--seconds-per-point", "0.5", "--min-gain", "1.5", "--out", str(out))
+    proc = run_script("sweep", "--config", "configs/demo.yaml", *args, tmp=tmp_path)
+    # every alias parsed (else: unrecognized), and the bad --min-gain stopped it before anything ran
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "`--min_gain` must be a number in [0, 1), got 1.5." in proc.stderr and "unrecognized" not in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ["fit", "--config", "configs/demo.yaml", "--trainer.max_epoch", "1"],
+            "dltune: error: unrecognized option --trainer.max_epoch; did you mean --trainer.max_epochs?",
+        ),
+        (
+            ["sweep", "--config", "configs/demo.yaml", "--seconds_per", "1"],
+            "dltune: error: unrecognized option --seconds_per; did you mean --seconds_per_point?",
+        ),
+    ],
+    ids=["fit", "sweep"],
+)
+def test_an_abbreviated_option_is_refused_naming_the_option_meant(tmp_path, args, said):
+    proc = run_script(*args, *logs_args(tmp_path), tmp=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert said in proc.stderr and "usage:" not in proc.stderr
+    assert not (tmp_path / "logs").exists()  # nothing started
+
+
+def _short_error(proc: subprocess.CompletedProcess) -> list[str]:
+    """The error's lines, after checking it is short and free of jsonargparse's dumps."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) <= 5, proc.stderr
+    for noise in ("Namespace(", "Union subtypes", "usage:", "Traceback"):
+        assert noise not in proc.stderr, noise
+    assert lines[-1].startswith("Run 'dltune ") and lines[-1].endswith(" --help' for the options.")
+    return lines
+
+
+def test_a_bad_value_in_yaml_is_one_short_paragraph_naming_key_and_value(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  init_args:\n    num_workers: -2\n")
+    proc = run_script("fit", "--config", "configs/demo.yaml", "--config", str(bad), *logs_args(tmp_path), tmp=tmp_path)
+    lines = _short_error(proc)
+    error = next(line for line in lines if line.startswith("dltune: error: "))
+    assert "data (examples.image_pipeline.JpegDataModule)" in error
+    assert "`num_workers` must be an integer >= 0, got -2" in error
+    assert lines[-1] == "Run 'dltune fit --help' for the options."
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ["--trainer.callbacks.init_args.band", "[0.9]"],
+            "trainer.callbacks.init_args.band (lightning_dltune.DataLoaderTuner): Expected a tuple with 2 elements",
+        ),
+        (
+            ["--data.init_args.num_worker", "2"],
+            "data (examples.image_pipeline.JpegDataModule): Option 'num_worker' is not accepted;"
+            " did you mean 'num_workers'?",
+        ),
+        (["--trainer.max_epochs", "x"], "trainer.max_epochs: expected int or null, got x"),
+    ],
+    ids=["tuple", "init-arg", "int"],
+)
+def test_a_bad_value_on_the_command_line_is_one_short_paragraph(tmp_path, args, said):
+    proc = run_script("fit", "--config", "configs/demo.yaml", *args, *logs_args(tmp_path), tmp=tmp_path)
+    lines = _short_error(proc)
+    assert f"dltune: error: {said}" in lines[-2]
+
+
+# -- the pure parts: condensing jsonargparse's reports, the noise filters --------------------------------
+UNION_REPORT = """Parser key "data":
+  Does not validate against any of the Union subtypes
+  Subtypes: [<class 'lightning.pytorch.core.datamodule.LightningDataModule'>, <class 'NoneType'>]
+  Errors:
+    - Problem with given class_path 'examples.image_pipeline.JpegDataModule':
+        Parser key "prefetch_factor":
+          Expected a <class 'int'>. Got value: two
+    - Expected a <class 'NoneType'>
+  Given value type: <class 'jsonargparse._util.NestedArg'>
+  Given value: NestedArg(key='prefetch_factor', val='two')"""
+
+BUILD_REPORT = """Does not validate against any of the Union subtypes
+Subtypes: [<class 'lightning.pytorch.core.datamodule.LightningDataModule'>, <class 'NoneType'>]
+Errors:
+  - `num_workers` must be an integer >= 0, got -2.
+  - Expected a <class 'NoneType'>
+Given value type: <class 'jsonargparse._namespace.Namespace'>
+Given value: Namespace(class_path='examples.image_pipeline.JpegDataModule', init_args=Namespace(num_workers=-2))"""
+
+
+def test_condense_keeps_the_key_path_the_class_and_the_innermost_error():
+    from lightning_dltune.cli.errors import condense
+
+    assert condense(UNION_REPORT) == (
+        "data.init_args.prefetch_factor (examples.image_pipeline.JpegDataModule): expected int. Got value: two"
+    )
+    assert condense(BUILD_REPORT) == (
+        "examples.image_pipeline.JpegDataModule: `num_workers` must be an integer >= 0, got -2."
+    )
+    assert condense("plain message") == "plain message"
+
+
+def test_known_noise_is_hidden_only_inside_the_command_and_only_that_noise():
+    import logging
+    import warnings
+
+    from lightning_dltune.cli.noise import quiet_known_noise
+
+    tip = "💡 Tip: For seamless cloud uploads and versioning, try installing [litmodels](...)"
+    leaf = "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)` instead."
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with quiet_known_noise():
+                warnings.warn(leaf, FutureWarning, stacklevel=1)
+                warnings.warn("the user's own deprecation", FutureWarning, stacklevel=1)
+                logger.info(tip)
+                logger.info("GPU available: False")
+            warnings.warn(leaf, FutureWarning, stacklevel=1)  # a library user still sees it
+            logger.info(tip)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert [str(w.message) for w in caught] == ["the user's own deprecation", leaf]
+    assert seen == ["GPU available: False", tip]

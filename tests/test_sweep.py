@@ -50,7 +50,7 @@ def swept(tmp_path_factory):
         "[0,1,2]",
         "--prefetch",
         "[1,2]",
-        "--seconds-per-point",
+        "--seconds_per_point",
         "0.5",
         "--out",
         str(out),
@@ -150,12 +150,12 @@ def test_sweep_help_lists_its_options_and_the_fit_config(tmp_path):
     proc = run_script("sweep", "--help", tmp=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: dltune sweep")
     for option in (
-        "--step-ms",
+        "--step_ms",
         "--steps",
-        "--seconds-per-point",
+        "--seconds_per_point",
         "--workers",
         "--prefetch",
-        "--min-gain",
+        "--min_gain",
         "--out",
         "--config",
         "--data",
@@ -165,8 +165,8 @@ def test_sweep_help_lists_its_options_and_the_fit_config(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_with_a_bad_option_exits_2_naming_it(tmp_path):
-    proc = run_script("sweep", "--config", "configs/demo.yaml", "--seconds-per-point", "0", tmp=tmp_path)
-    assert proc.returncode == 2 and "--seconds-per-point" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("sweep", "--config", "configs/demo.yaml", "--seconds_per_point", "0", tmp=tmp_path)
+    assert proc.returncode == 2 and "--seconds_per_point" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
@@ -179,13 +179,13 @@ def test_interrupting_the_sweep_leaves_no_worker_behind(tmp_path, signum):
             "--config",
             "configs/demo.yaml",
             *SMALL,
-            "--step-ms",
+            "--step_ms",
             "30",
             "--workers",
             "[2,3]",
             "--prefetch",
             "[2]",
-            "--seconds-per-point",
+            "--seconds_per_point",
             "60",
             "--out",
             str(tmp_path / "out"),
@@ -303,7 +303,7 @@ def test_steady_rate_leaves_out_the_first_round_of_batches():
 
 @pytest.mark.slow
 def test_a_point_asked_to_stop_ends_at_the_next_batch_with_its_workers_shut_down():
-    from workloads import SleepyDataModule
+    from fit_workloads import SleepyDataModule
 
     dm = SleepyDataModule(train_length=4000, batch_size=4, batch_cost_s=0.01, num_workers=2)
     dm.setup("fit")

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import statistics
 import sys
+import textwrap
 import time
 from typing import Any, Optional, Sequence
 
 from lightning.pytorch.cli import ArgsType, LightningCLI
+
+from lightning_dltune.cli.noise import quiet_known_noise
+from lightning_dltune.cli.parser import DLTuneArgumentParser
 
 DESCRIPTION = "lightning-dltune: a LightningCLI that measures and tunes your DataLoaders."
 SWEEP_DESCRIPTION = (
@@ -32,14 +37,63 @@ SWEEP_DESCRIPTION = (
 EXIT_INTERRUPTED = 130
 
 
+SWEEP_HELP = "The loader ladder test: times every num_workers x prefetch_factor point (dltune sweep --help)."
+
+
 class DLTuneCLI(LightningCLI):
-    """LightningCLI that turns a bad argument into a command-line error instead of a traceback."""
+    """LightningCLI that says a bad argument in one paragraph (exit 2) and lists ``sweep`` among its subcommands."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", DLTuneArgumentParser)
+        super().__init__(*args, **kwargs)
+
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        """LightningCLI's parsers, plus ``sweep`` in the subcommand list (``main()`` runs it before this parser)."""
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        subcommands = getattr(self.parser, "subcommands_action", None)
+        if add_subcommands and subcommands is not None:
+            subcommands.add_subcommand("sweep", DLTuneArgumentParser(description=SWEEP_DESCRIPTION), help=SWEEP_HELP)
+
+    def before_instantiate_classes(self) -> None:
+        """``sweep`` is listed for ``--help`` only: ``main()`` runs it when it is the first word."""
+        if self.subcommand == "sweep":
+            self.parser.error("`sweep` must come first: dltune sweep --config <your config> [options]")
 
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
         except (ValueError, TypeError) as exc:
-            self.parser.error(f"invalid configuration: {exc}")
+            config = self.config.get(self.subcommand) if self.subcommand else self.config
+            self.parser.error(_located(str(exc), config))  # the parser finds the subcommand's own help
+
+
+def _located(message: str, config: Any) -> str:
+    """``message`` of an error raised while building a class, prefixed with the config key of that class.
+
+    jsonargparse names only the class (``Namespace(class_path=...)``) when a constructor fails; the key,
+    found by the class path in ``config``, is what the user edits. Written in jsonargparse's own form so
+    that the parser's :func:`~lightning_dltune.cli.errors.condense` reads it like any other report.
+    """
+    paths = set(re.findall(r"class_path='([^']+)'", message))
+    keys = _keys_of_class_path(config, paths.pop()) if len(paths) == 1 else []
+    if len(keys) != 1:
+        return message
+    return f'Parser key "{keys[0]}":\n' + textwrap.indent(message, "  ")
+
+
+def _keys_of_class_path(config: Any, class_path: str, prefix: str = "") -> list[str]:
+    """Every key of ``config`` (a jsonargparse Namespace) whose value, or an item of it, has ``class_path``."""
+    found = []
+    for key, value in vars(config).items() if hasattr(config, "__dict__") else []:
+        here = f"{prefix}{key}"
+        items = value if isinstance(value, list) else [value]
+        if any(getattr(item, "class_path", None) == class_path for item in items):
+            found.append(here)
+        elif hasattr(value, "__dict__") and not hasattr(value, "class_path"):
+            found += _keys_of_class_path(value, class_path, f"{here}.")
+    return found
 
 
 class SweepCLI(DLTuneCLI):
@@ -47,14 +101,14 @@ class SweepCLI(DLTuneCLI):
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument(
-            "--step-ms",
+            *_spellings("--step_ms"),
             type=Optional[float],
             default=None,
             help="Emulated training step in ms; default: measure real steps of the model.",
         )
         parser.add_argument("--steps", type=int, default=10, help="Real training steps to time (after 3 warm-up).")
         parser.add_argument(
-            "--seconds-per-point",
+            *_spellings("--seconds_per_point"),
             type=float,
             default=3.0,
             help="Time the loader runs at each grid point, after its first batch.",
@@ -67,7 +121,7 @@ class SweepCLI(DLTuneCLI):
         )
         parser.add_argument("--prefetch", type=list[int], default=[1, 2, 4], help="prefetch_factor values.")
         parser.add_argument(
-            "--min-gain",
+            *_spellings("--min_gain"),
             type=Optional[float],
             default=None,
             help="Recommend the leanest point within this share of the best samples/s;"
@@ -83,20 +137,29 @@ class SweepCLI(DLTuneCLI):
     def before_instantiate_classes(self) -> None:
         c = self.config
         checks = [
-            ("--step-ms", c.step_ms is None or c.step_ms >= 0, "a number >= 0"),
+            ("--step_ms", c.step_ms is None or c.step_ms >= 0, "a number >= 0"),
             ("--steps", c.steps >= 1, "an integer >= 1"),
-            ("--seconds-per-point", c.seconds_per_point > 0, "a number > 0"),
+            ("--seconds_per_point", c.seconds_per_point > 0, "a number > 0"),
             (
                 "--workers",
                 c.workers is None or (c.workers and min(c.workers) >= 0),
                 "a non-empty list of integers >= 0",
             ),
             ("--prefetch", bool(c.prefetch) and min(c.prefetch) >= 1, "a non-empty list of integers >= 1"),
-            ("--min-gain", c.min_gain is None or 0 <= c.min_gain < 1, "a number in [0, 1)"),
+            ("--min_gain", c.min_gain is None or 0 <= c.min_gain < 1, "a number in [0, 1)"),
         ]
         for option, ok, allowed in checks:
             if not ok:
-                self.parser.error(f"`{option}` must be {allowed}, got {c[option.lstrip('-').replace('-', '_')]!r}.")
+                self.parser.error(f"`{option}` must be {allowed}, got {c[option.lstrip('-')]!r}.")
+
+
+def _spellings(option: str) -> tuple[str, ...]:
+    """``option`` and, for a multi-word one, its hyphenated alias (``--step_ms``, ``--step-ms``).
+
+    The first spelling names the key (``step_ms``) and is the one help and errors show.
+    """
+    alias = "--" + option[2:].replace("_", "-")
+    return (option,) if alias == option else (option, alias)
 
 
 def _import_from_cwd() -> None:
@@ -126,9 +189,10 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     starts; an interrupted sweep returns 130 after shutting its loader workers down.
     """
     words = list(sys.argv[1:] if args is None else args)
-    if words[:1] == ["sweep"]:
-        return sweep_command(words[1:])
-    build_cli(args if args is None else words)  # None: LightningCLI reads sys.argv itself
+    with quiet_known_noise():
+        if words[:1] == ["sweep"]:
+            return sweep_command(words[1:])
+        build_cli(args if args is None else words)  # None: LightningCLI reads sys.argv itself
     return 0
 
 
@@ -234,7 +298,7 @@ def _step(cli: SweepCLI) -> tuple[list[float], float, str]:
     if options.step_ms is not None:
         datamodule.prepare_data()
         datamodule.setup("fit")
-        return [], options.step_ms / 1e3, "--step-ms"
+        return [], options.step_ms / 1e3, "--step_ms"
     device = trainer.strategy.root_device
     trainer_kwargs = {
         "accelerator": device.type,

@@ -177,7 +177,7 @@ class SweepResult:
     """The whole sweep: its inputs, every point, what the budget ruled out, and the recommendation."""
 
     step_ms: float
-    step_source: str  # "measured" (median of real steps of the model) or "--step-ms"
+    step_source: str  # "measured" (median of real steps of the model) or "--step_ms"
     batch_size: int
     batch_bytes: float
     seconds_per_point: float

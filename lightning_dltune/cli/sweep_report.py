@@ -13,7 +13,7 @@ HEATMAP_FILE = "dltune_sweep.png"
 
 
 def step_text(result: SweepResult) -> str:
-    """The step and where it came from: ``31.6 ms (median of 10 steps, 31-680 ms)`` or ``30.0 ms (--step-ms)``."""
+    """The step and where it came from: ``31.6 ms (median of 10 steps, 31-680 ms)`` or ``30.0 ms (--step_ms)``."""
     samples = result.step_samples_ms
     if not samples:
         return f"{result.step_ms:.1f} ms ({result.step_source})"
