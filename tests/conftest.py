@@ -4,7 +4,7 @@ import sys
 import pytest
 
 HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
-sys.path.insert(0, HELPERS)  # the tests' own modules (workloads, pipeline_sim, ...) import as top-level modules
+sys.path.insert(0, HELPERS)  # the tests' own modules (fit_workloads, pipeline_sim, ...) import as top-level modules
 
 
 def _pin_hypothesis_constants() -> None:

@@ -5,10 +5,10 @@ import logging
 import lightning.pytorch as pl
 import pytest
 import torch
+from fit_workloads import CountingIterable, SleepStepModule, SleepyDataModule
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tb_events import layout, scalars, texts
 from torch.utils.data import DataLoader, TensorDataset
-from workloads import CountingIterable, SleepStepModule, SleepyDataModule
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.report.tensorboard import layout_tags

@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import psutil
 import pytest
 import torch
+from fit_workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 from lightning.pytorch.callbacks import Callback
-from workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 
 from lightning_dltune import DataLoaderTuner, LoaderConfig
 from lightning_dltune.loaders.loader import TunedDataLoader

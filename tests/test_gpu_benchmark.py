@@ -15,14 +15,27 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_benchmark():
-    """``benchmarks/gpu.py`` under its own name (a plain ``import gpu`` could meet another ``gpu``)."""
+    """``benchmarks/gpu.py`` under its own name (a plain ``import gpu`` could meet another ``gpu``).
+
+    The folders it puts first on ``sys.path`` for its own imports move to the end: a later test, or a
+    process it spawns (which starts from this ``sys.path``), must not find a benchmark module first.
+    """
+    before = list(sys.path)
     spec = importlib.util.spec_from_file_location("gpu_benchmark", REPO_ROOT / "benchmarks" / "gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    added = [path for path in sys.path if path not in before]
+    sys.path[:] = before + added
     return module
 
 
 gpu_bench = _load_benchmark()
+
+
+def test_loading_the_benchmark_leaves_the_test_helpers_first_on_sys_path():
+    # a ddp_spawn child unpickles the tests' modules by name from this sys.path: it once met benchmarks/ first
+    helpers, benchmarks = str(REPO_ROOT / "tests" / "helpers"), str(REPO_ROOT / "benchmarks")
+    assert sys.path.index(helpers) < sys.path.index(benchmarks)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ import warnings
 
 import lightning.pytorch as pl
 import pytest
+from fit_workloads import SleepStepModule, SleepyDataModule
 from lightning.pytorch.callbacks import Callback
 from test_datamodule import AlternateConfigs, ShardedIterable, StreamData
-from workloads import SleepStepModule, SleepyDataModule
 
 from lightning_dltune import DataLoaderTuner, LoaderConfig
 

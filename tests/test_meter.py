@@ -7,8 +7,8 @@ cost; with W serial workers the steady-state period is max(step, cost / W).
 
 import lightning.pytorch as pl
 import pytest
+from fit_workloads import SleepStepModule, SleepyDataModule, SleepyDataset, steady_truth
 from torch.utils.data import DataLoader
-from workloads import SleepStepModule, SleepyDataModule, SleepyDataset, steady_truth
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.measure.meter import WindowMeter

@@ -163,8 +163,8 @@ def test_a_pending_switch_drains_the_old_workers_then_runs_the_rest_with_the_new
 
 @pytest.mark.slow
 def test_a_worker_killed_after_its_config_was_confirmed_is_torchs_own_error(trainer_kwargs):
+    from fit_workloads import SleepStepModule
     from test_datamodule import KilledData
-    from workloads import SleepStepModule
 
     # the start config (1 worker) delivers its confirming batches; a few batches later its worker is killed
     kill_batch = CONFIRM_AFTER_BATCHES + 6  # past the batches a worker prefetches
@@ -242,7 +242,7 @@ _SHM_FIT = """
     import torch
     from lightning.pytorch.callbacks import Callback
     from lightning_dltune import DataLoaderTuner, LoaderConfig
-    from workloads import SleepStepModule, SleepyDataModule, SleepyDataset
+    from fit_workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 
     class Big(SleepyDataset):  # {mb} MB a sample
         def __getitem__(self, i):

@@ -4,9 +4,9 @@ import re
 
 import lightning.pytorch as pl
 import pytest
+from fit_workloads import SleepStepModule, SleepyDataModule
 from lightning.pytorch.loggers import TensorBoardLogger
 from tb_events import layout, scalars, texts
-from workloads import SleepStepModule, SleepyDataModule
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.report.tensorboard import DETAIL, HEADLINE, custom_scalars_layout, layout_tags

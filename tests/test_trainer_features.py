@@ -25,10 +25,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from fit_workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
-from workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 
 from lightning_dltune import DataLoaderTuner
 
@@ -627,7 +627,7 @@ USER_CLI = textwrap.dedent(
     import sys
     sys.path.insert(0, {tests!r})
     from lightning.pytorch.cli import LightningCLI
-    from workloads import SleepStepModule, SleepyDataModule
+    from fit_workloads import SleepStepModule, SleepyDataModule
 
     LightningCLI(SleepStepModule, SleepyDataModule, save_config_kwargs={{"overwrite": True}})
     """

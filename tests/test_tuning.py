@@ -13,8 +13,8 @@ import sys
 
 import lightning.pytorch as pl
 import pytest
+from fit_workloads import SleepStepModule, SleepyDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint
-from workloads import SleepStepModule, SleepyDataModule
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.report.words import reason_text

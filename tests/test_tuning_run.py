@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from workloads import SleepyDataModule
+from fit_workloads import SleepyDataModule
 
 from lightning_dltune.control.run import TuningRun
 from lightning_dltune.core.config import LoaderConfig

@@ -9,11 +9,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/helpers: workloads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/helpers: fit_workloads
 
 import lightning.pytorch as pl  # noqa: E402
+from fit_workloads import SleepStepModule, SleepyDataModule  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from workloads import SleepStepModule, SleepyDataModule  # noqa: E402
 
 CHECKPOINT_EPOCH, CHECKPOINT_BATCH = 1, 2
 
