@@ -227,7 +227,7 @@ def test_check_gpu_passes_every_check_against_a_faithful_fake_device(monkeypatch
     import types
 
     import torch
-    from test_nvml_sampler import LiveGPU, LiveNVML
+    from test_nvml_sampler import NVML_FUNCTIONS, LiveGPU, LiveNVML
 
     import lightning_dltune.nvml.sampler as gpu_module
 
@@ -238,16 +238,7 @@ def test_check_gpu_passes_every_check_against_a_faithful_fake_device(monkeypatch
     device = LiveGPU()
     device.timeline = [(0, 0)]
     nvml = LiveNVML(device)
-    for name in (
-        "nvmlInit",
-        "nvmlShutdown",
-        "nvmlDeviceGetHandleByUUID",
-        "nvmlDeviceGetHandleByPciBusId",
-        "nvmlDeviceGetSamples",
-        "nvmlDeviceGetUtilizationRates",
-        "nvmlDeviceGetMigMode",
-        "nvmlDeviceIsMigDeviceHandle",
-    ):
+    for name in NVML_FUNCTIONS:
         monkeypatch.setattr(pynvml, name, getattr(nvml, name))
     monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda handle: handle.uuid)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetPciInfo", lambda handle: types.SimpleNamespace(busId=b"00000000:3B:00.0"))

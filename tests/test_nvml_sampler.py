@@ -593,19 +593,22 @@ def test_pickled_or_copied_sampler_holds_no_nvml_session(machine):
     assert sampler.available and machine.nvml.shutdowns == 0
 
 
+# the NVML functions the fakes serve (a test that swaps them into the real pynvml swaps these)
+NVML_FUNCTIONS = (
+    "nvmlInit",
+    "nvmlShutdown",
+    "nvmlDeviceGetHandleByUUID",
+    "nvmlDeviceGetHandleByPciBusId",
+    "nvmlDeviceGetSamples",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetMigMode",
+    "nvmlDeviceIsMigDeviceHandle",
+)
+
+
 def test_fake_matches_real_pynvml_names():
     pynvml = pytest.importorskip("pynvml")
-    for name in (
-        "nvmlInit",
-        "nvmlShutdown",
-        "nvmlDeviceGetHandleByUUID",
-        "nvmlDeviceGetHandleByPciBusId",
-        "nvmlDeviceGetSamples",
-        "nvmlDeviceGetUtilizationRates",
-        "nvmlDeviceGetMigMode",
-        "nvmlDeviceIsMigDeviceHandle",
-        "NVMLError",
-    ):
+    for name in (*NVML_FUNCTIONS, "NVMLError"):
         assert hasattr(pynvml, name), name
     assert pynvml.NVML_GPU_UTILIZATION_SAMPLES == FakeNVML.NVML_GPU_UTILIZATION_SAMPLES
     assert pynvml.NVML_ERROR_NOT_SUPPORTED == NVML_ERROR_NOT_SUPPORTED
