@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset
 
 from lightning_dltune.control.switchable import FailureListener
 from lightning_dltune.core import validation
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.loaders.arguments import check_loader_kwargs
 from lightning_dltune.loaders.collection import flatten_loaders
-from lightning_dltune.loaders.loader import TunedDataLoader, build_loader, sample_bytes
-from lightning_dltune.loaders.switch import LoaderSwitch, loader_config_of
-from lightning_dltune.loaders.torch_internals import describe_failure, shutdown_workers
+from lightning_dltune.loaders.live import LiveLoaders, training_loop_position
+from lightning_dltune.loaders.loader import TunedDataLoader, TunedLoader, build_loader, sample_bytes
+from lightning_dltune.loaders.torch_internals import shutdown_workers
 
 # set by the mixin's own arguments, never through `loader_kwargs`
 _OWNED = (
@@ -30,11 +29,7 @@ _OWNED = (
 )
 
 
-def _runs_with(loader: DataLoader, config: LoaderConfig) -> bool:
-    return loader_config_of(loader).dataloader_kwargs() == config.dataloader_kwargs()
-
-
-class TunableDataModule:
+class TunableDataModule(LiveLoaders):
     """Mixin for a :class:`~lightning.pytorch.LightningDataModule` whose loaders lightning-dltune tunes.
 
     Set ``self.train_dataset`` and ``self.val_dataset`` in ``setup()``; the mixin builds the loaders
@@ -91,6 +86,7 @@ class TunableDataModule:
 
     train_dataset: Optional[Dataset] = None
     val_dataset: Optional[Dataset] = None
+    owner_name = "TunableDataModule"
 
     def __init__(
         self,
@@ -137,19 +133,6 @@ class TunableDataModule:
         self._resolve_pin_memory()
         return self._loader_config
 
-    def set_loader_config(self, config: LoaderConfig) -> None:
-        """Use ``config`` from now on; live loaders follow at :meth:`rebuild_loaders`.
-
-        With an iterable dataset that does not shard by worker, the worker count stays as it started.
-
-        Raises:
-            TypeError: if ``config`` is not a :class:`~lightning_dltune.LoaderConfig`.
-        """
-        validation.instance("config", config, LoaderConfig, "a LoaderConfig, e.g. LoaderConfig(num_workers=4)")
-        self._resolve_pin_memory()
-        held = self.held_workers()
-        self._loader_config = config if held is None else config.replace(num_workers=held)
-
     def held_workers(self) -> Optional[int]:
         """The worker count the loaders must keep (an iterable dataset that may not shard), or ``None``."""
         if self.iterable_shards_by_worker:
@@ -179,6 +162,12 @@ class TunableDataModule:
             return None
         nbytes = sample_bytes(dataset)
         return nbytes * self.batch_size if nbytes else None
+
+    def _resolve_config(self) -> None:
+        self._resolve_pin_memory()
+
+    def _multiprocessing_context(self) -> Any:
+        return self.loader_kwargs.get("multiprocessing_context")
 
     def _resolve_pin_memory(self) -> None:
         if self._pin_resolved:
@@ -220,18 +209,7 @@ class TunableDataModule:
 
     def _training_loop_position(self) -> tuple[int, bool]:
         """(batches the fit loop took this epoch, whether its epoch is done), for mid-epoch resume."""
-        trainer = self.trainer
-        taken = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return taken, taken >= trainer.num_training_batches
-
-    def _fallback_for(self, config: LoaderConfig) -> Optional[LoaderConfig]:
-        if self._on_failure is None or config == self._last_good_config:
-            return None
-        if self._last_good_config is not None:
-            return self._last_good_config
-        if config.num_workers == 0 or self.held_workers() is not None:
-            return None
-        return config.replace(num_workers=0)  # the start config: loading in the training process always works
+        return training_loop_position(self.trainer)
 
     def train_dataloader(self) -> TunedDataLoader:
         if self.train_dataset is None:
@@ -254,101 +232,17 @@ class TunableDataModule:
         if trainer is None:
             return
         for loader in flatten_loaders(live(trainer)):
-            if isinstance(loader, TunedDataLoader):
+            if isinstance(loader, TunedLoader):
                 shutdown_workers(loader)
                 loader.switch = None
 
-    def live_loaders(self) -> list[TunedDataLoader]:
+    def live_loaders(self) -> list[TunedLoader]:
         """The tunable loaders Lightning currently iterates (train and val)."""
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return []
         loaders = flatten_loaders(trainer.train_dataloader) + flatten_loaders(trainer.val_dataloaders)
-        return [dl for dl in loaders if isinstance(dl, TunedDataLoader)]
-
-    def mark_config_good(self) -> None:
-        """The current config ran an epoch: it is what a failed rebuild goes back to."""
-        self._last_good_config = self.loader_config
-
-    def enable_rollback(self, on_failure: Optional[FailureListener] = None) -> None:
-        """From now on, a loader change the machinery cannot run goes back instead of failing the fit.
-
-        Loaders built afterwards with a config not yet proven (the start config included, which then
-        falls back to ``num_workers=0``) are protected too. ``on_failure(failed, restored, exception)``
-        is called after each rollback; without it, the module warns.
-        """
-        self._on_failure = on_failure if on_failure is not None else _warn_rollback
-
-    def rebuild_loaders(self, on_failure: Optional[FailureListener] = None) -> int:
-        """Bring the live loaders (train and val) to :attr:`loader_config`; returns how many were rebuilt.
-
-        Each rebuilt loader keeps the last good config as its fallback until its new workers have
-        delivered a few windows' worth of batches (see :class:`~lightning_dltune.loaders.switch.LoaderSwitch`).
-        """
-        if on_failure is not None or self._on_failure is None:
-            self.enable_rollback(on_failure)
-        target = self.loader_config
-        rebuilt = 0
-        for loader in self.live_loaders():
-            if _runs_with(loader, target):
-                continue
-            # a loader's own config forgets persistence at 0 workers: keep the module's choice
-            fallback = self._last_good_config or loader_config_of(loader).replace(
-                persistent_workers=target.persistent_workers
-            )
-            self._start_switch(loader, target, fallback if fallback != target else None, pending=False)
-            rebuilt += 1
-        return rebuilt
-
-    def switch_train_loaders(self, config: LoaderConfig, on_failure: Optional[FailureListener] = None) -> int:
-        """Move the live training loaders to ``config`` now, in the middle of an epoch; returns how many.
-
-        Each loader stops handing out new work to its workers; once the batches they already hold are
-        taken, new workers start on the rest of the epoch's sampler order: no batch is lost or repeated.
-        Validation loaders switch at their next iteration. An iterable dataset's loader switches at its
-        next epoch (a stream cannot be split).
-        """
-        if on_failure is not None or self._on_failure is None:
-            self.enable_rollback(on_failure)
-        previous = self.loader_config
-        self.set_loader_config(config)
-        config = self.loader_config
-        train = flatten_loaders(self.trainer.train_dataloader)
-        switched = 0
-        for loader in self.live_loaders():
-            if not _runs_with(loader, config):
-                self._start_switch(loader, config, self._last_good_config or previous, pending=True)
-                switched += any(loader is t for t in train)
-        return switched
-
-    def _start_switch(
-        self, loader: TunedDataLoader, config: LoaderConfig, fallback: Optional[LoaderConfig], pending: bool
-    ) -> LoaderSwitch:
-        return LoaderSwitch(
-            loader,
-            config,
-            fallback,
-            pending=pending,
-            on_rollback=self._rolled_back,
-            on_confirm=self._confirmed,
-            multiprocessing_context=self.loader_kwargs.get("multiprocessing_context"),
-        )
-
-    def _confirmed(self, switch: LoaderSwitch) -> None:
-        if switch.target == self._loader_config:
-            self._last_good_config = switch.target
-
-    def _rolled_back(self, switch: LoaderSwitch, exc: BaseException) -> None:
-        """One loader went back: so do the module's config and every other live loader (train and val)."""
-        restored = switch.fallback
-        assert restored is not None
-        self._loader_config = restored
-        self._last_good_config = restored
-        for loader in self.live_loaders():
-            if loader is not switch.loader and (loader.switch is not None or not _runs_with(loader, restored)):
-                self._start_switch(loader, restored, None, pending=True)  # drains cleanly if mid-epoch
-        listener = self._on_failure or _warn_rollback
-        listener(switch.target, restored, exc)
+        return [dl for dl in loaders if isinstance(dl, TunedLoader)]
 
     def teardown(self, stage: str) -> None:
         for loader in self.live_loaders() + self._built:
@@ -356,11 +250,3 @@ class TunableDataModule:
         parent = getattr(super(), "teardown", None)
         if parent is not None:
             parent(stage)
-
-
-def _warn_rollback(failed: LoaderConfig, restored: LoaderConfig, exc: BaseException) -> None:
-    warnings.warn(
-        f"TunableDataModule: the loaders could not run {failed.short()} ({describe_failure(exc)});"
-        f" went back to {restored.short()}.",
-        stacklevel=2,
-    )
