@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -21,8 +21,14 @@ from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
 from lightning_dltune.core.stats import UtilSource, WindowStats
 from lightning_dltune.core.windows import WindowSchedule
 from lightning_dltune.datamodule import TunableDataModule
+from lightning_dltune.loaders.adopt import UserLoaders
 from lightning_dltune.loaders.torch_internals import describe_failure
 from lightning_dltune.measure.distributed import reduce_across_ranks
+from lightning_dltune.measure.lightning_internals import (
+    hide_not_resumable_warning,
+    intercept_loader_requests,
+    release_loader_requests,
+)
 from lightning_dltune.measure.probe import WindowProbe
 from lightning_dltune.nvml.sampler import MODE_SAMPLES
 from lightning_dltune.report.console import Notices, say
@@ -33,16 +39,9 @@ from lightning_dltune.report.words import VERBOSE_LINE, VERBOSE_REASON, window_l
 UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
 
 
-def _not_tunable_notice(datamodule: Any) -> str:
+def _not_tunable_notice(reason: str) -> str:
     """Why the loaders of this fit are only measured, in the words of the user's own set-up."""
-    if datamodule is None:
-        source = "the loaders come from the LightningModule (or the arguments of fit), not a TunableDataModule"
-    else:
-        source = f"the datamodule ({type(datamodule).__name__}) is not a TunableDataModule"
-    return (
-        f"DataLoaderTuner: {source}, so they cannot be rebuilt; measuring, logging and recommending only"
-        " (to tune them, build them in a TunableDataModule)."
-    )
+    return f"DataLoaderTuner: {reason}, so it cannot be switched; measuring, logging and recommending only."
 
 
 class DataLoaderTuner(Callback):
@@ -196,7 +195,7 @@ class DataLoaderTuner(Callback):
         self._handoff = SpawnHandoff()
         self._start_fit()
 
-    def _start_fit(self, datamodule: Optional[TunableDataModule] = None) -> None:
+    def _start_fit(self, datamodule: Union[TunableDataModule, UserLoaders, None] = None) -> None:
         """Everything that belongs to one fit, fresh (``load_state_dict`` then restores a resumed fit's)."""
         previous = getattr(self, "_run", None)
         if previous is not None and previous.history:
@@ -210,6 +209,8 @@ class DataLoaderTuner(Callback):
         self._recommended: Optional[LoaderConfig] = None
         self.recommendation_path: Optional[str] = None
         self._measuring = False  # the probe measures this epoch (set at its start, or at its first batch)
+        self._show_not_resumable: Optional[Callable[[], None]] = None
+        self._resumed_at: Optional[int] = None  # the batch a resumed epoch continues at
         self._last_step_logged = -1
         self._notices.reset()
 
@@ -245,10 +246,7 @@ class DataLoaderTuner(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        datamodule = trainer.datamodule
-        self._start_fit(datamodule if isinstance(datamodule, TunableDataModule) else None)
-        if self.tune and not self._run.tuning:
-            self._say_once(trainer, "no-mixin", _not_tunable_notice(datamodule))
+        self._start_fit(self._loaders_of(trainer))
         device = trainer.strategy.root_device
         sampler = self._probe.open_sampler(
             None if self.util_source == UtilSource.ESTIMATE else device, self.nvml_poll_interval_s
@@ -262,14 +260,26 @@ class DataLoaderTuner(Callback):
                 warn=self.util_source == UtilSource.NVML,
             )
 
+    def _loaders_of(self, trainer: pl.Trainer) -> Union[TunableDataModule, UserLoaders, None]:
+        """What the tuner switches in this fit: a TunableDataModule, else the project's own loaders (adopted)."""
+        if isinstance(trainer.datamodule, TunableDataModule):
+            return trainer.datamodule
+        if not self.tune:
+            return None
+        loaders = UserLoaders(trainer)
+        if not intercept_loader_requests(trainer, loaders.received):
+            release_loader_requests(trainer)
+            self._say_once(trainer, "no-source", _not_tunable_notice("this Lightning does not hand the loaders over"))
+            return None
+        return loaders
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         datamodule = self._run.datamodule
         if self._run.tuning and datamodule is not None:
             self._run.start_fit()
-            held = datamodule.held_workers_reason()
-            if held is not None:
-                self._say_once(trainer, "held-workers", f"[dltune] {held}")
+        if isinstance(datamodule, TunableDataModule):
+            self._say_held_workers(trainer)
             clamped = clamp_datamodule_start(datamodule, self._budget(trainer, pl_module), self.settings)
             if clamped is not None:
                 self._say_once(trainer, "clamped", clamped)
@@ -277,9 +287,58 @@ class DataLoaderTuner(Callback):
             estimate = self._probe.sampler is None or not self._probe.sampler.available
             add_panels(trainer, estimate, recent=self.log_every_n_steps > 0)
 
+    def _resume_positions(self) -> None:
+        """A resumed fit: the project's own training loaders continue their epoch where the checkpoint left them.
+
+        Lightning's warning that such a loader is not resumable is hidden until training starts (then the
+        console says where the epoch resumes instead).
+        """
+        loaders = self._run.datamodule
+        if not isinstance(loaders, UserLoaders) or not self._run.tuning:
+            return
+        loaders.resume_positions = list(self._run.restored_positions)
+        unfinished = [p for p in loaders.resume_positions if p and not p.get("epoch_done", True)]
+        if unfinished and self._resumed_at is None:
+            self._resumed_at = int(unfinished[0]["batches_taken"])
+            self._show_not_resumable = hide_not_resumable_warning()
+
+    def _show_lightnings_warnings(self) -> None:
+        if self._show_not_resumable is not None:
+            self._show_not_resumable()
+            self._show_not_resumable = None
+
+    def _said_resume(self, trainer: pl.Trainer) -> None:
+        if self._resumed_at is not None:
+            self._say_once(
+                trainer,
+                "resume",
+                f"[dltune] the training loader resumes epoch {trainer.current_epoch} at batch {self._resumed_at}:"
+                " the rest of the epoch's sample order, every sample once",
+            )
+        self._resumed_at = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._said_resume(trainer)
+        loaders = self._run.datamodule
+        if isinstance(loaders, UserLoaders):  # the training loaders arrived: say what the tuner can do with them
+            if loaders.refused is not None:
+                self._say_once(trainer, "no-switch", _not_tunable_notice(loaders.refused))
+            else:
+                self._say_held_workers(trainer)
+
+    def _say_held_workers(self, trainer: pl.Trainer) -> None:
+        held = self._run.datamodule.held_workers_reason()  # type: ignore[union-attr]
+        if held is not None:
+            self._say_once(trainer, "held-workers", f"[dltune] {held}")
+
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._probe.close()
+        self._show_lightnings_warnings()  # restored, but no training batch followed
+        if stage == "fit" and isinstance(self._run.datamodule, UserLoaders):
+            release_loader_requests(trainer)
+            self._run.datamodule.release()
         if stage == "fit" and trainer.is_global_zero and self._handoff.in_spawned_process():
             recommended = self._recommended.as_dict() if self._recommended is not None else None
             self._handoff.send({"state": self.state_dict(), "recommended": recommended})
@@ -299,7 +358,8 @@ class DataLoaderTuner(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._measuring:  # resumed mid-epoch: Lightning skipped the epoch start
+        if not self._measuring:  # resumed mid-epoch: Lightning skipped the epoch start (and warned before it)
+            self._show_lightnings_warnings()
             self._measure_epoch(trainer, batch_idx)
         self._probe.batch_started(trainer, batch, time.perf_counter())
 
@@ -431,3 +491,4 @@ class DataLoaderTuner(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._run.load_state_dict(state_dict)
+        self._resume_positions()

@@ -150,17 +150,6 @@ def test_tuple_batches(trainer_kwargs):
 
 
 @pytest.mark.slow
-def test_monitor_only_datamodule_without_mixin_says_so_once(trainer_kwargs, caplog):
-    tuner = DataLoaderTuner()
-    with caplog.at_level(logging.INFO):
-        trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], limit_val_batches=0, **trainer_kwargs)
-        trainer.fit(_TupleModule())
-    said = [r for r in caplog.records if "not a TunableDataModule" in r.getMessage()]
-    assert len(said) == 1
-    assert {r.num_workers for r in tuner.history} == {0}
-
-
-@pytest.mark.slow
 def test_util_source_nvml_without_a_gpu_warns_and_estimates(trainer_kwargs):
     tuner = DataLoaderTuner(util_source="nvml", verbose=False)
     with pytest.warns(UserWarning, match="NVML cannot serve"):

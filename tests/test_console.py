@@ -1,5 +1,6 @@
 """console: lines go through an enabled progress bar and reach the terminal under TQDM; notices are said once."""
 
+import json
 import os
 import subprocess
 import sys
@@ -59,12 +60,13 @@ def test_a_notice_is_said_once_per_fit_and_again_after_a_reset():
     assert [str(w.message) for w in caught] == ["a warning on every rank"]
 
 
-def _run_project(tmp_path, *args, model="plain"):
+def _run_project(tmp_path, *args, model="plain", seen=None):
     """The user's own project (loaders in its LightningModule, TQDM bar) with the tuner added from the command line."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), DLTUNE_TEST_MODEL=model, DLTUNE_TEST_SEEN=str(seen or ""))
     return subprocess.run(
         [sys.executable, str(HELPERS / "module_loaders_project.py"), "fit", *args],
         cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(REPO), DLTUNE_TEST_MODEL=model),
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
@@ -79,14 +81,16 @@ FIT = [
 
 
 @pytest.mark.slow
-def test_the_final_table_and_the_notices_reach_the_terminal_under_a_tqdm_bar(tmp_path):
+def test_a_project_tuned_from_the_command_line_under_a_tqdm_bar_says_it_all_in_the_terminal(tmp_path):
     # TQDMProgressBar.print drops text before its first bar (setup) and after its last one closed (on_fit_end)
-    proc = _run_project(tmp_path, f"--trainer.default_root_dir={tmp_path}", *FIT)
+    seen = tmp_path / "seen.json"
+    proc = _run_project(tmp_path, f"--trainer.default_root_dir={tmp_path}", *FIT, seen=seen)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    terminal = proc.stdout + proc.stderr
     assert "Epoch 1: 100%" in proc.stdout  # the TQDM bar ran
-    notice = [line for line in terminal.splitlines() if line.startswith("DataLoaderTuner: ")]
-    assert len(notice) == 1 and "the loaders come from the LightningModule" in notice[0], notice
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[dltune] epoch ")]
+    assert lines and "workers 0 -> " in lines[0], lines  # the model's own loader, tuned in place
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("DataLoaderTuner: ")]
+    assert [sorted(ids) for ids in json.loads(seen.read_text())] == [list(range(64))] * 2  # every sample once
     assert "lightning-dltune: loader tuning" in proc.stdout
     assert "recommended: workers=" in proc.stdout
     # the model's knob is `workers`: no fragment `--config` would refuse, the DataLoader arguments in words

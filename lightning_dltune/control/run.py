@@ -55,12 +55,18 @@ class TuningRun:
         self.settings = settings
         self.windows = schedule
         self.datamodule = datamodule
-        self.tuning = tune and datamodule is not None
+        self._tune = tune
         self.history: list[WindowRecord] = []
         self.rebuilds = 0  # config changes in this fit
         self.worker_cap: Optional[int] = None  # lowered when a switch rolled back
         self.restored_config: Optional[LoaderConfig] = None  # from a checkpoint, applied at fit start
         self.on_rollback: Optional[FailureListener] = None  # also told when a switch rolls back
+        self.restored_positions: list[dict[str, Any]] = []  # a project's own train loaders' places in the epoch
+
+    @property
+    def tuning(self) -> bool:
+        """Whether the policy's configs reach the loaders (a project's loader may turn out not switchable)."""
+        return self._tune and self.datamodule is not None and getattr(self.datamodule, "tunable", True)
 
     # -- windows ---------------------------------------------------------------------------------
     def open_window(self, first_batch: int, epoch_batches: float, world_size: int, switchable: bool) -> None:
@@ -162,10 +168,13 @@ class TuningRun:
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self, current: Optional[LoaderConfig]) -> dict[str, Any]:
         """What a checkpoint keeps: the config to resume with (``current`` before any window), the history,
-        the rebuild count, the worker cap after a failed switch and the next window's length."""
+        the rebuild count, the worker cap after a failed switch, the next window's length and where a project's
+        own training loaders stand in their epoch (Lightning keeps only the positions of loaders with a state)."""
         if self.history:
             current = self.history[-1].next_config
+        positions = getattr(self.datamodule, "positions", None)  # loaders Lightning does not checkpoint itself
         return {
+            "loader_positions": positions() if positions is not None else [],
             "config": current.as_dict() if current is not None else None,
             "rebuilds": self.rebuilds,
             "history": [record.to_dict() for record in self.history],
@@ -181,3 +190,4 @@ class TuningRun:
         self.worker_cap = state.get("worker_cap")
         self.windows.next_length = state.get("next_window", self.windows.next_length)
         self.history = [WindowRecord.from_dict(d) for d in state.get("history", [])]
+        self.restored_positions = list(state.get("loader_positions", []))

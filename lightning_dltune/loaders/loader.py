@@ -35,7 +35,7 @@ from lightning_dltune.loaders.torch_internals import (
     shutdown_iterator,
 )
 
-__all__ = ["TunedDataLoader", "build_loader", "counters_of", "sample_bytes"]
+__all__ = ["TunedDataLoader", "TunedLoader", "build_loader", "counters_of", "sample_bytes"]
 
 _SLOTS = 1024  # worker slots in the shared counters (slot 0: the training process)
 _FIELDS = 4  # batches made, batches timed, wall seconds, cpu seconds
@@ -168,6 +168,10 @@ class TimedCollate:
 
 
 def counters_of(loader: DataLoader) -> Optional[ProductionCounters]:
+    """The shared counters a loader's batch production is timed into, if it has them."""
+    counters = getattr(loader, "production_counters", None)
+    if counters is not None:
+        return counters
     collate = loader.collate_fn
     return collate.counters if isinstance(collate, TimedCollate) else None
 
@@ -175,7 +179,7 @@ def counters_of(loader: DataLoader) -> Optional[ProductionCounters]:
 class _FetchTimingIterator(Iterator):
     """Reports each fetch of a torch iterator, and carries out the loader's switch when it has one."""
 
-    def __init__(self, loader: TunedDataLoader, iterator: Iterator, started: float) -> None:
+    def __init__(self, loader: TunedLoader, iterator: Iterator, started: float) -> None:
         self._loader = loader
         self._counters = counters_of(loader)
         self._draining: Optional[LoaderSwitch] = None  # a pending switch waiting for the old workers
@@ -186,6 +190,8 @@ class _FetchTimingIterator(Iterator):
         self._started = started
         self._first = True
         self._workers = self._loader.num_workers
+        # a user's loader without workers: its batches are made right here, timed around next()
+        self._time_here = self._workers == 0 and self._loader.production_counters is not None
         self._baseline = self._counters.produced(self._workers) if self._counters is not None else 0.0
         self._consumed = 0
         switch = self._loader.switch
@@ -211,6 +217,7 @@ class _FetchTimingIterator(Iterator):
         recorder = self._loader.fetch_recorder
         ready = self._ready() if recorder is not None and not self._first else -1
         t0 = time.perf_counter()
+        cpu0 = time.thread_time() if self._time_here else 0.0
         try:
             batch = next(self._it)
         except StopIteration:
@@ -225,6 +232,8 @@ class _FetchTimingIterator(Iterator):
                 raise
             self._use(recovered, self._started)
             return self.__next__()
+        if self._time_here:
+            self._counters.add(time.perf_counter() - t0, time.thread_time() - cpu0)  # type: ignore[union-attr]
         if recorder is not None:
             if self._first:
                 recorder.record_startup(time.perf_counter() - self._started)
@@ -237,53 +246,38 @@ class _FetchTimingIterator(Iterator):
         return batch
 
 
-class TunedDataLoader(IndexSamplerHook, DataLoader):
-    """A :class:`~torch.utils.data.DataLoader` that reports fetch waits, exact stalls and worker cost.
+class TunedLoader(IndexSamplerHook):
+    """What every loader the tuner switches does, whoever built it: report fetches, carry a switch, resume.
 
-    It takes exactly DataLoader's arguments. Build it with :func:`build_loader` to get worker-side
-    timing (a map-style dataset is wrapped in :class:`TimedDataset`). Reports go to
+    The base of :class:`TunedDataLoader` (built by :class:`~lightning_dltune.TunableDataModule`) and of the
+    classes :mod:`~lightning_dltune.loaders.adopt` gives a user's own loaders. Reports go to
     ``fetch_recorder`` when one is set (the :class:`~lightning_dltune.DataLoaderTuner` sets it on the
-    training loaders); otherwise the iterator adds nothing but two attribute reads per batch.
-    Its workers change only through a :class:`~lightning_dltune.loaders.switch.LoaderSwitch` (``switch``).
+    training loaders); otherwise the iterator adds nothing but two attribute reads per batch. Its workers
+    change only through a :class:`~lightning_dltune.loaders.switch.LoaderSwitch` (``switch``).
     """
 
     fetch_recorder: Optional[FetchRecorder] = None
     switch: Optional[LoaderSwitch] = None  # the change in progress, from its start to its end
     # (batches the training loop took this epoch, whether the epoch is done): set for a training loader
     loop_position: Optional[Callable[[], tuple[int, bool]]] = None
+    # where batch production is timed when no TimedCollate does (a user's loader): see loaders/adopt.py
+    production_counters: Optional[ProductionCounters] = None
     _resume: Optional[dict] = None  # a mid-epoch position loaded from a checkpoint, for the next iter()
 
-    def __init__(
-        self,
-        *args: Any,
-        loop_position: Optional[Callable[[], tuple[int, bool]]] = None,
-        worker_timeout: Optional[float] = None,
-        **kwargs: Any,
-    ) -> None:
-        # the user's ``timeout`` applies to workers; torch refuses one without workers
-        self.worker_timeout = kwargs.get("timeout", 0) if worker_timeout is None else worker_timeout
-        if not kwargs.get("num_workers", 0):
-            kwargs["timeout"] = 0
-        super().__init__(*args, **kwargs)
-        # arguments, not only attributes, so a loader Lightning re-creates (DDP's sampler) keeps them
-        self.loop_position = loop_position
-
-    def state_dict(self) -> dict[str, Any]:
+    def position(self) -> dict[str, Any]:
         """Where the training loop is in this epoch, and what replays the epoch's sampler order.
 
-        Lightning saves it in checkpoints; :meth:`load_state_dict` resumes the epoch with every remaining
-        sample exactly once, whatever the worker count of the resumed fit. Empty for a stream
-        (an ``IterableDataset`` cannot be replayed) or a loader outside a fit.
+        Empty for a stream (an ``IterableDataset`` cannot be replayed) or a loader outside a fit.
         """
         if self.loop_position is None or self.order_state is None or isinstance(self.dataset, IterableDataset):
             return {}
         taken, done = self.loop_position()
         return {"order": self.order_state, "batches_taken": int(taken), "epoch_done": bool(done)}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume at the saved position at the next ``iter()`` (nothing to do after a finished epoch)."""
-        if state_dict and not state_dict.get("epoch_done", True) and state_dict.get("order") is not None:
-            self._resume = state_dict
+    def resume_at(self, position: dict[str, Any]) -> None:
+        """Resume at ``position`` (from :meth:`position`) at the next ``iter()`` (nothing after a finished epoch)."""
+        if position and not position.get("epoch_done", True) and position.get("order") is not None:
+            self._resume = position
 
     def __iter__(self) -> Iterator:
         started = time.perf_counter()
@@ -305,6 +299,42 @@ class TunedDataLoader(IndexSamplerHook, DataLoader):
         rest = replay_order(index_sampler_of(self), resume["order"], resume["batches_taken"])
         self.order_state = resume["order"]  # still this epoch's order, for the next checkpoint
         return iterate_over(self, RestOfEpoch(rest))
+
+
+class TunedDataLoader(TunedLoader, DataLoader):
+    """A :class:`~torch.utils.data.DataLoader` that reports fetch waits, exact stalls and worker cost.
+
+    It takes exactly DataLoader's arguments. Build it with :func:`build_loader` to get worker-side
+    timing (a map-style dataset is wrapped in :class:`TimedDataset`). See :class:`TunedLoader` for what
+    it reports; its training position and sampler order go into Lightning's checkpoints.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        loop_position: Optional[Callable[[], tuple[int, bool]]] = None,
+        worker_timeout: Optional[float] = None,
+        **kwargs: Any,
+    ) -> None:
+        # the user's ``timeout`` applies to workers; torch refuses one without workers
+        self.worker_timeout = kwargs.get("timeout", 0) if worker_timeout is None else worker_timeout
+        if not kwargs.get("num_workers", 0):
+            kwargs["timeout"] = 0
+        super().__init__(*args, **kwargs)
+        # arguments, not only attributes, so a loader Lightning re-creates (DDP's sampler) keeps them
+        self.loop_position = loop_position
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`~TunedLoader.position`: Lightning saves it in checkpoints.
+
+        :meth:`load_state_dict` resumes the epoch with every remaining sample exactly once, whatever the
+        worker count of the resumed fit.
+        """
+        return self.position()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the saved position at the next ``iter()`` (nothing to do after a finished epoch)."""
+        self.resume_at(state_dict)
 
 
 def sample_bytes(dataset: Dataset, timeout_s: float = 30.0) -> Optional[int]:

@@ -19,6 +19,8 @@ What this module relies on (torch 2.1 to 2.13):
   raises wherever the training process happens to be when a worker dies.
 - A worker's exception reaches the training process as ``ExceptionWrapper.reraise`` with the
   worker's traceback as text after ``"Original Traceback"``.
+- A worker makes each batch in ``fetch()`` of ``_utils.fetch._MapDatasetFetcher`` or
+  ``_IterableDatasetFetcher`` (dataset reads and ``collate_fn``), created after ``worker_init_fn`` ran.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from typing import Any, Iterable, Iterator, Optional
+import time
+from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 from torch.utils.data import dataloader as _dataloader_module
+from torch.utils.data._utils import fetch as _fetch
 from torch.utils.data._utils import signal_handling as _signal_handling
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -161,6 +165,18 @@ def replay_order(sampler: Any, state: dict[str, Any], skip: int) -> Iterator:
     return itertools.chain(head[skip:], iterator)
 
 
+def order_is_replayable(sampler: Any) -> bool:
+    """Whether :func:`replay_order` replays ``sampler`` exactly: torch's own samplers, batched by torch's own.
+
+    A sampler of another library or of the user may draw from another RNG (Python's, NumPy's) or keep
+    state of its own; its epoch cannot be replayed from the RNG states alone.
+    """
+    layers = [sampler]
+    if type(sampler) is BatchSampler:
+        layers.append(sampler.sampler)
+    return all(type(layer).__module__.startswith("torch.utils.data") for layer in layers)
+
+
 class RecordingIndexSampler:
     """Wraps a loader's index sampler; while ``recorder`` asks, remembers the index batches drawn.
 
@@ -203,8 +219,15 @@ def iterate_over(loader: DataLoader, index_sampler: Any) -> Iterator:
     return iterator
 
 
-class IndexSamplerHook:
-    """Mixin for a DataLoader subclass: lets :func:`iterate_over` and a recorder pick its index sampler."""
+_T = TypeVar("_T")
+
+
+class IndexSamplerHook(Generic[_T]):
+    """Mixin for a DataLoader subclass: lets :func:`iterate_over` and a recorder pick its index sampler.
+
+    Generic like DataLoader, so that a class with this mixin first keeps DataLoader's object layout and
+    a user's loader can take such a class in place (``__class__`` assignment).
+    """
 
     _index_override: Any = None
     _index_recorder: Any = None
@@ -280,6 +303,31 @@ def set_persistent_workers(loader: DataLoader, persistent: bool) -> None:
     object.__setattr__(loader, "persistent_workers", persistent)
 
 
+_FETCHERS = ("_MapDatasetFetcher", "_IterableDatasetFetcher")
+
+
+def time_worker_fetches(record: Callable[[float, float], None]) -> None:
+    """In a loader worker (from its ``worker_init_fn``): ``record(wall_s, cpu_s)`` after each batch it makes.
+
+    A worker process serves one loader, so its fetchers are timed there and nowhere else; the training
+    process's own fetchers stay as torch has them. Exceptions pass unchanged.
+    """
+    for name in _FETCHERS:
+        cls = getattr(_fetch, name)
+        original = cls.__dict__["fetch"]
+        if getattr(original, "timed_by_dltune", False):
+            continue
+
+        def timed(self: Any, index: Any, _original: Callable = original) -> Any:
+            wall0, cpu0 = time.perf_counter(), time.thread_time()
+            batch = _original(self, index)
+            record(time.perf_counter() - wall0, time.thread_time() - cpu0)
+            return batch
+
+        timed.timed_by_dltune = True  # type: ignore[attr-defined]
+        cls.fetch = timed
+
+
 def check_torch_internals() -> None:
     """Raise :class:`RuntimeError` naming what is missing if this torch lacks what this module uses."""
     missing = []
@@ -298,6 +346,8 @@ def check_torch_internals() -> None:
     for name in ("_set_worker_pids", "_remove_worker_pids"):
         if not hasattr(_signal_handling, name):
             missing.append(f"torch.utils.data._utils.signal_handling.{name}")
+    fetchers = ((n, getattr(_fetch, n, None)) for n in _FETCHERS)
+    missing.extend(f"torch.utils.data._utils.fetch.{n}.fetch" for n, c in fetchers if "fetch" not in vars(c or object))
     for path in _MACHINERY_FILES:
         if not os.path.exists(path):
             missing.append(path)

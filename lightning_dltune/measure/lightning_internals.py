@@ -1,17 +1,23 @@
-"""The private Lightning attributes the tuner relies on: the fit loop's batch iterator and combined loader.
+"""The private Lightning attributes the tuner relies on: the fit's loader sources, batch iterator, combined loader.
 
-Loaders the tuner did not build cannot report their fetches themselves; for them the callback wraps
-the iterator that Lightning's training loop calls ``next()`` on (``trainer.fit_loop._data_fetcher
-.iterator``, checked on Lightning 2.5.3 and 2.6). :func:`check_lightning_internals` names what a
-Lightning release removed, and a test calls it, so such a release fails loudly instead of silently
-reporting no fetch waits.
+- To tune the loaders a project builds itself (in its LightningModule, a plain DataModule, or passed to
+  ``fit``), the callback sees them the moment Lightning receives them: the fit loop's and its validation
+  loop's ``_data_source`` (a ``_DataLoaderSource`` whose ``dataloader()`` calls the user's hook or
+  returns fit's argument) get an instance-level ``dataloader`` that hands the result on first.
+- Loaders that cannot report their fetches themselves are timed around the iterator that Lightning's
+  training loop calls ``next()`` on (``trainer.fit_loop._data_fetcher.iterator``).
+
+Checked on Lightning 2.5.3 and 2.6. :func:`check_lightning_internals` names what a Lightning release
+removed, and a test calls it, so such a release fails loudly instead of silently tuning nothing.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 import time
-from typing import Any, Iterator, Optional
+import warnings
+from typing import Any, Callable, Iterator, Optional
 
 from lightning_dltune.measure.meter import WindowMeter
 
@@ -45,6 +51,55 @@ def time_fit_loop_fetches(trainer: Any, meter: WindowMeter) -> bool:
     return True
 
 
+def _fit_sources(trainer: Any) -> list[tuple[str, Any]]:
+    """The fit's loader sources that have ``dataloader()``: ("train", ...) and ("val", ...)."""
+    fit_loop = trainer.fit_loop
+    found = [("train", getattr(fit_loop, "_data_source", None))]
+    found.append(("val", getattr(getattr(fit_loop.epoch_loop, "val_loop", None), "_data_source", None)))
+    return [(stage, source) for stage, source in found if callable(getattr(type(source), "dataloader", None))]
+
+
+def intercept_loader_requests(trainer: Any, received: Callable[[str, Any], Any]) -> bool:
+    """From now on, what the fit's train and val sources give Lightning passes through ``received(stage, loaders)``.
+
+    ``received`` returns what Lightning gets (the same loaders, adopted in place). Undone by
+    :func:`release_loader_requests`. ``False`` where this Lightning has no such sources.
+    """
+    sources = _fit_sources(trainer)
+    for stage, source in sources:
+        request = type(source).dataloader
+
+        def intercepted(_source: Any = source, _stage: str = stage, _request: Callable = request) -> Any:
+            return received(_stage, _request(_source))
+
+        source.dataloader = intercepted
+    return len(sources) == 2
+
+
+def release_loader_requests(trainer: Any) -> None:
+    """Lightning's sources ask the user's hooks directly again."""
+    for _, source in _fit_sources(trainer):
+        vars(source).pop("dataloader", None)
+
+
+_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
+
+
+def hide_not_resumable_warning() -> Callable[[], None]:
+    """Hide Lightning's warning that a mid-epoch resume is not exact (the tuner resumes its loaders itself).
+
+    Returns the function that shows it again.
+    """
+    warnings.filterwarnings("ignore", message=re.escape(_NOT_RESUMABLE))
+    entry = warnings.filters[0]
+
+    def show_again() -> None:
+        if entry in warnings.filters:
+            warnings.filters.remove(entry)
+
+    return show_again
+
+
 def check_lightning_internals() -> None:
     """Raise ``RuntimeError`` naming what this Lightning lacks of the fit loop's batch iterator."""
     from lightning.pytorch.loops import fetchers, fit_loop
@@ -59,6 +114,18 @@ def check_lightning_internals() -> None:
         missing.append("_FitLoop._combined_loader")
     if "self._mode" not in inspect.getsource(combined_loader.CombinedLoader):
         missing.append("CombinedLoader._mode")
+    from lightning.pytorch.loops import evaluation_loop
+    from lightning.pytorch.trainer.connectors import data_connector
+
+    for loop, name in ((fit_loop._FitLoop, "_FitLoop"), (evaluation_loop._EvaluationLoop, "_EvaluationLoop")):
+        if "self._data_source = _DataLoaderSource(" not in inspect.getsource(loop):
+            missing.append(f"{name}._data_source")
+    from lightning.pytorch.loops import training_epoch_loop
+
+    if _NOT_RESUMABLE not in inspect.getsource(training_epoch_loop._TrainingEpochLoop.reset):
+        missing.append("the 'not resumable' warning of _TrainingEpochLoop.reset")
+    if "data_source.dataloader()" not in inspect.getsource(data_connector._request_dataloader):
+        missing.append("_request_dataloader calling _DataLoaderSource.dataloader()")
     if missing:
         raise RuntimeError(
             f"lightning-dltune cannot time plain loaders with this Lightning: it lacks {', '.join(missing)}."

@@ -15,9 +15,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.stats import WindowStats
-from lightning_dltune.datamodule import TunableDataModule
 from lightning_dltune.loaders.collection import flatten_loaders
-from lightning_dltune.loaders.loader import TunedDataLoader, batch_tensors, counters_of, tensor_bytes
+from lightning_dltune.loaders.loader import TunedLoader, batch_tensors, counters_of, tensor_bytes
 from lightning_dltune.loaders.switch import loader_config_of
 from lightning_dltune.measure.lightning_internals import fetches_per_step, time_fit_loop_fetches
 from lightning_dltune.measure.meter import WindowMeter
@@ -81,12 +80,12 @@ class WindowProbe:
             self.sampler = None
         self._util_paused = False
         for loader in self._loaders:
-            if isinstance(loader, TunedDataLoader):
+            if isinstance(loader, TunedLoader):
                 loader.fetch_recorder = None
         self._loaders = []
 
     # -- windows ---------------------------------------------------------------------------------
-    def attach(self, trainer: Any, datamodule: Optional[TunableDataModule] = None) -> None:
+    def attach(self, trainer: Any, datamodule: Any = None) -> None:
         """At an epoch start: the train loaders report to this probe and a window of their config starts.
 
         The config is the datamodule's where there is one (it knows what it rebuilt), else the first
@@ -94,11 +93,10 @@ class WindowProbe:
         """
         self._loaders = flatten_loaders(trainer.train_dataloader)
         plain = [dl for dl in self._loaders if isinstance(dl, DataLoader)]
-        if datamodule is not None:
-            config: Optional[LoaderConfig] = datamodule.loader_config
-        else:
+        config: Optional[LoaderConfig] = datamodule.loader_config if datamodule is not None else None
+        if config is None:
             config = loader_config_of(plain[0]) if plain else (LoaderConfig() if self._loaders else None)
-        tuned = [dl for dl in self._loaders if isinstance(dl, TunedDataLoader)]
+        tuned = [dl for dl in self._loaders if isinstance(dl, TunedLoader)]
         self.tuned_loaders = bool(self._loaders) and len(tuned) == len(self._loaders)
         self.switchable = self.tuned_loaders and not any(isinstance(dl.dataset, IterableDataset) for dl in tuned)
         for loader in tuned:

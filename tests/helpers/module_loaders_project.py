@@ -5,8 +5,10 @@ Usage: python tests/helpers/module_loaders_project.py fit --trainer.callbacks+=l
 ``Model`` names its knob ``workers`` (no config fragment can set a DataLoader's ``num_workers`` through it);
 with ``DLTUNE_TEST_MODEL=named`` the CLI drives ``NamedModel``, which takes ``num_workers`` and ``prefetch_factor``.
 The accelerator step is emulated by a sleep in the training process (the host idles while a GPU computes).
+With ``DLTUNE_TEST_SEEN=path`` the model writes the sample ids it trained, one list per epoch, as JSON.
 """
 
+import json
 import os
 import time
 
@@ -37,10 +39,21 @@ class Model(LightningModule):
         self.batch_size, self.step_ms = batch_size, step_ms
         self.loader_kwargs = {"num_workers": workers}
         self.layer = torch.nn.Linear(4, 1)
+        self.seen: list[list[int]] = []
+
+    def on_train_epoch_start(self) -> None:
+        self.seen.append([])
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen[-1].extend(int(i) for i in batch[:, 0].tolist())
         time.sleep(self.step_ms / 1000.0)
         return self.layer(batch).sum()
+
+    def on_train_end(self) -> None:
+        path = os.environ.get("DLTUNE_TEST_SEEN")
+        if path:
+            with open(path, "w") as f:
+                json.dump(self.seen, f)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.layer(batch)

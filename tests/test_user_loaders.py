@@ -1,0 +1,231 @@
+"""One added line tunes the loaders a project already has: real fits of the project shapes found in the wild.
+
+Each fit starts a starved loader (I/O-bound storage, 0 workers) and checks what a user would: the tuner
+moved it to workers, every sample was trained once per epoch and validated once per run, the words
+reached the terminal, and what the user handed over (their loaders, their worker_init_fn) is theirs again
+after the fit. The accelerator step is a sleep in the training process (the host idles while a GPU computes).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from fit_workloads import SleepyDataset
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+from user_projects import BATCH, TRAIN_LENGTH, VAL_LENGTH, ModuleLoaders, TaggedLoader, fit_shape, train_set
+
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune.loaders.adopt import AdoptedLoader, why_not_tunable
+
+SHAPES = ["module", "datamodule", "fit_args", "subclass", "batch_sampler"]
+
+
+def _tuner(**kwargs):
+    return DataLoaderTuner(window_batches=10, window_seconds=0.3, max_workers=4, **kwargs)
+
+
+def _every_sample_once(model, epochs):
+    assert [sorted(ids) for ids in model.train_indices] == [list(range(TRAIN_LENGTH))] * epochs
+    assert [sorted(ids) for ids in model.val_indices] == [list(range(VAL_LENGTH))] * epochs
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.slow
+def test_a_starved_project_loader_gets_workers_and_every_sample_is_trained_once(trainer_kwargs, caplog, shape):
+    tuner = _tuner()
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
+    with caplog.at_level(logging.INFO):  # without a progress bar the words go to Lightning's console logger
+        model, held = fit_shape(shape, trainer)
+    assert tuner.history[0].num_workers == 0 and tuner.history[0].changed
+    assert tuner.history[-1].num_workers > 0  # tuned in place, mid-epoch
+    assert tuner.history[-1].stats.worker_batch_s == pytest.approx(BATCH_COST, rel=0.5)  # timed inside the workers
+    assert tuner.history[-1].stats.queue_depth is not None  # exact stalls from the workers' counters
+    _every_sample_once(model, epochs=2)
+    assert "lightning-dltune: loader tuning" in caplog.text and "cannot be switched" not in caplog.text
+    for loader in held.values():  # what the user handed to fit() is theirs again
+        assert type(loader) is DataLoader and loader.num_workers == 0 and loader.worker_init_fn is None
+        assert not isinstance(loader, AdoptedLoader) and pickle.loads(pickle.dumps(loader)).batch_size == BATCH
+
+
+BATCH_COST = 0.03
+
+
+@pytest.mark.slow
+def test_a_subclass_keeps_its_own_arguments_and_class_while_tuned(trainer_kwargs):
+    seen = []
+
+    class Look(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            loader = trainer.train_dataloader
+            seen.append((isinstance(loader, TaggedLoader), loader.tag, loader.num_workers, type(loader).__name__))
+
+    trainer = pl.Trainer(max_epochs=1, callbacks=[_tuner(), Look()], **trainer_kwargs)
+    fit_shape("subclass", trainer)
+    assert {s[:2] for s in seen} == {(True, "train")} and {s[3] for s in seen} == {"TaggedLoader"}
+    assert seen[0][2] == 0 and seen[-1][2] > 0
+    assert type(trainer.train_dataloader) is TaggedLoader  # back to the user's own class after the fit
+    copied = copy.deepcopy(trainer.train_dataloader)
+    assert type(copied) is TaggedLoader and copied.tag == "train"
+
+
+def _keep_seed(worker_id):
+    torch.manual_seed(1234 + worker_id)
+
+
+class _SeededModule(ModuleLoaders):
+    def train_dataloader(self):
+        loader = DataLoader(train_set(), BATCH, shuffle=True, num_workers=1, worker_init_fn=_keep_seed, timeout=60)
+        return loader
+
+
+@pytest.mark.slow
+def test_the_users_worker_init_fn_and_timeout_run_in_the_new_workers(trainer_kwargs):
+    inits = []
+
+    class Look(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            loader = trainer.train_dataloader
+            inits.append((loader.num_workers, loader.timeout, loader.worker_init_fn.worker_init_fn is _keep_seed))
+
+    model = _SeededModule()
+    trainer = pl.Trainer(max_epochs=1, callbacks=[_tuner(), Look()], **trainer_kwargs)
+    trainer.fit(model)
+    assert inits[0][:2] == (1, 60) and inits[-1][0] > 1 and inits[-1][1] == 60
+    assert all(i[2] for i in inits)
+    assert trainer.train_dataloader.worker_init_fn is _keep_seed and trainer.train_dataloader.timeout == 60
+
+
+class _DyingWorkers(ModuleLoaders):
+    def train_dataloader(self):
+        data = SleepyDataset(TRAIN_LENGTH, batch_cost_s=BATCH_COST, fail_in_worker_above=1)
+        return DataLoader(data, batch_size=BATCH, shuffle=True)
+
+
+@pytest.mark.slow
+def test_a_switch_whose_workers_die_rolls_back_and_every_sample_is_still_trained_once(trainer_kwargs):
+    # workers are killed (as by the OOM killer) whenever more than one runs
+    model = _DyingWorkers()
+    tuner = _tuner()
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
+    with pytest.warns(UserWarning, match="loader config failed") as record:
+        trainer.fit(model)
+    assert len([w for w in record if "loader config failed" in str(w.message)]) == 1
+    assert tuner.history[-1].num_workers <= 1
+    _every_sample_once(model, epochs=2)
+
+
+class _FailingDataset(SleepyDataset):
+    def __getitems__(self, indices):
+        if 7 in indices:
+            raise ValueError("bad sample 7")
+        return super().__getitems__(indices)
+
+
+class _FailingModule(ModuleLoaders):
+    def train_dataloader(self):
+        return DataLoader(_FailingDataset(64), batch_size=BATCH, num_workers=self.workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow
+def test_the_users_dataset_error_reaches_them_unchanged(trainer_kwargs, workers):
+    trainer = pl.Trainer(max_epochs=1, callbacks=[_tuner()], **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="bad sample 7"):
+        warnings.simplefilter("always")
+        trainer.fit(_FailingModule(workers=workers))
+    assert not [w for w in caught if "loader config failed" in str(w.message)]
+
+
+class _SelfIterating(DataLoader):
+    def __iter__(self):
+        yield from super().__iter__()
+
+
+class _SelfIteratingModule(ModuleLoaders):
+    def train_dataloader(self):
+        return _SelfIterating(train_set(), batch_size=BATCH)
+
+
+@pytest.mark.slow
+def test_a_loader_class_that_iterates_itself_is_measured_not_tuned_and_says_so_once(trainer_kwargs, caplog):
+    tuner = _tuner()
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
+    model = _SelfIteratingModule()
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model)
+    said = [r.getMessage() for r in caplog.records if "cannot be switched" in r.getMessage()]
+    assert said == [
+        "DataLoaderTuner: the training DataLoader's class _SelfIterating defines its own __iter__, so it cannot"
+        " be switched; measuring, logging and recommending only."
+    ]
+    assert {r.num_workers for r in tuner.history} == {0} and tuner.history[0].changed  # what it would try
+    _every_sample_once(model, epochs=2)
+
+
+def test_what_cannot_be_tuned_is_named():
+    assert why_not_tunable(DataLoader(range(4))) is None
+    assert "not a torch DataLoader" in why_not_tunable([1, 2])
+
+    class Stateful(DataLoader):
+        def state_dict(self):
+            return {}
+
+    assert "keeps its own state" in why_not_tunable(Stateful(range(4)))
+
+
+@pytest.mark.slow
+def test_monitor_only_leaves_the_project_loaders_untouched(trainer_kwargs):
+    seen = []
+
+    class Look(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(type(trainer.train_dataloader))
+
+    tuner = _tuner(tune=False)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[tuner, Look()], **trainer_kwargs)
+    fit_shape("module", trainer)
+    assert set(seen) == {DataLoader} and {r.num_workers for r in tuner.history} == {0}
+
+
+# -- exact mid-epoch resume of a project's own loader, with another worker count ----------------------
+class _CheckpointAndStop(Callback):
+    def __init__(self, path, epoch, batch_idx):
+        self.path, self.epoch, self.batch_idx = path, epoch, batch_idx
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == self.epoch and batch_idx == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("resume_with_tuner", [True, False])
+@pytest.mark.slow
+def test_a_fit_resumed_mid_epoch_trains_the_rest_of_the_epoch_once(trainer_kwargs, tmp_path, caplog, resume_with_tuner):
+    ckpt = str(tmp_path / "mid.ckpt")
+    first = ModuleLoaders()
+    stop = _CheckpointAndStop(ckpt, epoch=1, batch_idx=19)
+    pl.Trainer(max_epochs=3, callbacks=[_tuner(), stop], **trainer_kwargs).fit(first)
+    assert len(first.train_indices[1]) == 20 * BATCH
+
+    resumed = ModuleLoaders(workers=2)  # another worker count than the checkpoint's
+    resumed.train_indices.append([])  # Lightning skips on_train_epoch_start when it resumes mid-epoch
+    tuner = _tuner() if resume_with_tuner else None
+    trainer = pl.Trainer(max_epochs=3, callbacks=[tuner] if tuner else [], **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        trainer.fit(resumed, ckpt_path=ckpt)  # a checkpoint of a tuned fit resumes with or without the tuner
+    not_resumable = [w for w in caught if "your dataloader is not resumable" in str(w.message)]
+    assert len(not_resumable) == (0 if resume_with_tuner else 1)  # Lightning's warning, only where it is true
+    said = [r.getMessage() for r in caplog.records if "resumes epoch 1 at batch 20" in r.getMessage()]
+    assert len(said) == (1 if resume_with_tuner else 0), said
+    epoch_1 = first.train_indices[1] + resumed.train_indices[0]
+    if resume_with_tuner:
+        assert sorted(epoch_1) == list(range(TRAIN_LENGTH))  # the rest of the epoch, none twice, none missed
+    assert sorted(resumed.train_indices[1]) == list(range(TRAIN_LENGTH))  # the next epoch is a whole one
