@@ -331,7 +331,7 @@ def test_stray_modules_in_the_current_directory_do_not_shadow_installed_ones(tmp
 def test_help_lists_the_sweep_among_the_subcommands(tmp_path):
     proc = run_script("--help", tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "{fit,validate,test,predict,sweep}" in proc.stdout
+    assert "{fit,validate,test,predict,sweep,report}" in proc.stdout
     assert any(line.split()[:2] == ["sweep", "The"] for line in proc.stdout.splitlines())  # with its description
 
 

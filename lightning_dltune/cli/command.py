@@ -3,6 +3,7 @@
     dltune fit --config configs/demo.yaml
     dltune fit --config configs/demo.yaml --config logs/demo/version_0/dltune_recommendation.yaml
     dltune sweep --config configs/demo.yaml          # the ladder test: every workers x prefetch point
+    dltune report logs/demo/version_0                # the fit's timeline picture, redrawn from its events
     python -m lightning_dltune fit --config configs/monitor_only.yaml
 
 Class paths resolve from the current directory too (``examples.image_pipeline.JpegDataModule`` from
@@ -26,6 +27,7 @@ from lightning.pytorch.cli import ArgsType, LightningCLI
 
 from lightning_dltune.cli.noise import quiet_known_noise
 from lightning_dltune.cli.parser import DLTuneArgumentParser
+from lightning_dltune.cli.report import REPORT_DESCRIPTION, REPORT_HELP, report_command
 
 DESCRIPTION = "lightning-dltune: a LightningCLI that measures and tunes your DataLoaders."
 SWEEP_DESCRIPTION = (
@@ -55,11 +57,14 @@ class DLTuneCLI(LightningCLI):
         subcommands = getattr(self.parser, "subcommands_action", None)
         if add_subcommands and subcommands is not None:
             subcommands.add_subcommand("sweep", DLTuneArgumentParser(description=SWEEP_DESCRIPTION), help=SWEEP_HELP)
+            subcommands.add_subcommand("report", DLTuneArgumentParser(description=REPORT_DESCRIPTION), help=REPORT_HELP)
 
     def before_instantiate_classes(self) -> None:
-        """``sweep`` is listed for ``--help`` only: ``main()`` runs it when it is the first word."""
+        """``sweep`` and ``report`` are listed for ``--help`` only: ``main()`` runs them when first."""
         if self.subcommand == "sweep":
             self.parser.error("`sweep` must come first: dltune sweep --config <your config> [options]")
+        if self.subcommand == "report":
+            self.parser.error("`report` must come first: dltune report LOGDIR [--output PATH]")
 
     def instantiate_classes(self) -> None:
         try:
@@ -178,7 +183,10 @@ def build_cli(args: ArgsType = None, run: bool = True) -> DLTuneCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": DESCRIPTION + " `dltune sweep --help`: the loader ladder test."},
+        parser_kwargs={
+            "description": DESCRIPTION
+            + " `dltune sweep --help`: the loader ladder test; `dltune report --help`: a fit's timeline picture."
+        },
     )
 
 
@@ -192,6 +200,8 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     with quiet_known_noise():
         if words[:1] == ["sweep"]:
             return sweep_command(words[1:])
+        if words[:1] == ["report"]:
+            return report_command(words[1:])
         build_cli(args if args is None else words)  # None: LightningCLI reads sys.argv itself
     return 0
 

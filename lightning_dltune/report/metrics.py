@@ -17,6 +17,9 @@ from lightning_dltune.measure.meter import WindowMeter
 from lightning_dltune.report.tensorboard import RECENT, custom_scalars_layout, tag
 from lightning_dltune.report.words import decision_markdown
 
+DECISION_TAG = tag("decision")
+"""Each window's decision, as TensorBoard text (``decision_markdown``)."""
+
 
 def window_scalars(
     record: WindowRecord, band: tuple[float, float], rebuilds: int, from_samples: Optional[bool] = None
@@ -86,7 +89,7 @@ def log_window(trainer: Any, record: WindowRecord, scalars: dict[str, float], tu
     for logger in trainer.loggers:
         logger.log_metrics(scalars, step=x)
         if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_text("dltune/decision", decision_markdown(record, tuning), x)
+            logger.experiment.add_text(DECISION_TAG, decision_markdown(record, tuning), x)
 
 
 def log_interval(trainer: Any, meter: WindowMeter, samples_per_step: int) -> None:

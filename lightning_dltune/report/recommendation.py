@@ -19,6 +19,7 @@ from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.history import best_config, median_rate
 from lightning_dltune.core.records import WindowRecord
 from lightning_dltune.report.console import say
+from lightning_dltune.report.timeline import fit_timeline
 from lightning_dltune.report.words import VERBOSE_LINE, summary_table
 
 RECOMMENDATION_FILE = "dltune_recommendation.yaml"
@@ -102,29 +103,40 @@ def write_recommendation(
 def conclude_fit(
     trainer: Any, history: Sequence[WindowRecord], min_gain: float, write_file: bool, verbose: int
 ) -> tuple[Optional[LoaderConfig], Optional[str]]:
-    """At the end of a fit: the recommended config and, on rank zero, the table and the fragment's file.
+    """At the end of a fit: the recommended config and, on rank zero, the table, the fragment's file and
+    the timeline picture (:mod:`~lightning_dltune.report.timeline`; drawn with or without a recommendation).
 
     No file without a logger (no log dir) nor under ``fast_dev_run`` (Lightning suppresses logging):
     the recommendation then lives in the table and the returned config only. Every rank must call it
     (asking for the log dir is a collective under DDP). Returns the config and the written file's path.
     """
     best = recommend(history, min_gain)
-    if best is None:
-        return None, None
-    writes = write_file and bool(trainer.loggers) and not trainer.fast_dev_run
-    directory = trainer.log_dir if writes else None
+    logs = bool(trainer.loggers) and not trainer.fast_dev_run
+    directory = trainer.log_dir if logs else None
     if not trainer.is_global_zero:
-        return best.config, None
+        return (None if best is None else best.config), None
+    path = None
+    if best is not None:
+        path = _say_recommendation(trainer, history, best, directory if write_file else None, verbose)
+    if directory and history:
+        fit_timeline(trainer, history, directory, verbose)
+    return (None if best is None else best.config), path
+
+
+def _say_recommendation(
+    trainer: Any, history: Sequence[WindowRecord], best: WindowRecord, directory: Optional[str], verbose: int
+) -> Optional[str]:
+    """The table, the fragment's file in ``directory`` (``None``: no file) and how to apply it; the file's path."""
     if verbose >= VERBOSE_LINE:
         say(trainer, summary_table(history, best))
     target = target_of(trainer)
     path = None
-    if writes and directory and target.keys:
+    if directory and target.keys:
         note = f"measured {best.samples_per_s:,.0f} samples/s, the median of its windows ({best.verdict})"
         path = write_recommendation(directory, best.config, note, target.section, target.keys)
     if verbose >= VERBOSE_LINE:
         say(trainer, _how_to_apply(best.config, target, path))
-    return best.config, path
+    return path
 
 
 def _how_to_apply(config: LoaderConfig, target: Target, path: Optional[str]) -> str:
