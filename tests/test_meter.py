@@ -11,7 +11,7 @@ from fit_workloads import SleepStepModule, SleepyDataModule, SleepyDataset, stea
 from torch.utils.data import DataLoader
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.measure.meter import WindowMeter
+from lightning_dltune.measure.meter import WindowMeter, stall_cutoff
 
 BATCH = 4
 PREFETCH = 2
@@ -141,3 +141,32 @@ def test_meter_counts_stalls_by_threshold_when_the_queue_is_unknown():
     assert stats.stalls == 2 and stats.fetches == 4
     assert stats.queue_depth is None
     assert stats.samples == 16
+
+
+def test_a_big_batchs_hand_over_is_no_stall_when_the_queue_is_unknown():
+    # a 9.6 MB batch takes ~1.5 ms to hand over from a worker even when it was ready: at a 1 ms threshold
+    # every fetch would be a "stall"; judged against the window's own hand-over time, only real waits are
+    meter = WindowMeter(stall_threshold_s=0.001)
+    waits = [0.0015, 0.0016, 0.0018, 0.0015, 0.0017] * 5 + [0.030]
+    for wait in waits:
+        meter.record_fetch(wait)
+        meter.record_step(0.01)
+    stats = meter.window_stats(batch_size=64, batch_bytes=9_600_000)
+    assert stats.stalls == 1 and stats.fetches == 26
+
+
+def test_when_every_fetch_waits_for_a_worker_every_fetch_is_a_stall():
+    # the fastest fetch is no hand-over when all of them waited: the cutoff stays below what moving
+    # the batch's bytes takes
+    meter = WindowMeter(stall_threshold_s=0.001)
+    for wait in [0.015, 0.016, 0.020, 0.018] * 5:
+        meter.record_fetch(wait)
+        meter.record_step(0.005)
+    assert meter.window_stats(batch_size=64, batch_bytes=9_600_000).stalls == 20
+
+
+def test_the_hand_over_cutoff_never_goes_below_the_threshold():
+    assert stall_cutoff(0.002, 0.0001, 128) == 0.002
+    assert stall_cutoff(0.001, 0.0015, 9_600_000) == pytest.approx(0.0045)
+    assert stall_cutoff(0.001, 0.015, 9_600_000) == pytest.approx(2 * (0.0005 + 0.0048))
+    assert stall_cutoff(0.001, 0.015, None) == 0.001  # no bytes known: the threshold, as configured

@@ -6,12 +6,30 @@ tensor, no I/O, no growing containers.
 
 from __future__ import annotations
 
+import bisect
 from array import array
 from typing import Optional
 
 from lightning_dltune.core.stats import UtilSource, WindowStats
 
 UNKNOWN_READY = -1
+HANDOVER_FACTOR = 3.0  # a fetch this many times the window's fastest (a ready batch handed over) waited for one
+HANDOVER_FIXED_S = 0.5e-3  # handing over any batch: unpickling, queue and thread switches
+HANDOVER_BYTES_PER_S = 2e9  # handing over a batch's tensors from a worker's shared memory, conservatively
+
+
+def stall_cutoff(threshold_s: float, fastest_s: float, batch_bytes: Optional[int]) -> float:
+    """The wait above which a fetch from a loader that cannot report its queue found no batch ready.
+
+    Judged against the loop's own hand-over time: a ready batch still takes the time to move its bytes
+    from a worker (several ms for a batch of images), so the cutoff is ``HANDOVER_FACTOR`` times the
+    window's fastest fetch, but never above twice what moving ``batch_bytes`` takes (when every fetch
+    waited, the fastest is no hand-over), and never below ``threshold_s``.
+    """
+    if batch_bytes is None or fastest_s <= 0.0:
+        return threshold_s
+    ceiling = 2.0 * (HANDOVER_FIXED_S + batch_bytes / HANDOVER_BYTES_PER_S)
+    return max(threshold_s, min(HANDOVER_FACTOR * fastest_s, ceiling))
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -26,13 +44,14 @@ class WindowMeter:
 
     Args:
         stall_threshold_s: a fetch whose loader cannot report its ready queue counts as a stall
-            when it waited longer than this.
+            when it waited longer than this and than the loop's hand-over time (:func:`stall_cutoff`).
         capacity: per-batch samples kept for percentiles (the most recent ``capacity`` batches;
             sums and counts are exact over the whole window).
     """
 
     def __init__(self, stall_threshold_s: float = 1e-3, capacity: int = 8192) -> None:
         self.stall_threshold_s = stall_threshold_s
+        self._cutoff_s = stall_threshold_s  # the last window's stall_cutoff, for the interval's online count
         self._capacity = capacity
         self._fetch_buf = array("d", bytes(8 * capacity))
         self._step_buf = array("d", bytes(8 * capacity))
@@ -62,7 +81,7 @@ class WindowMeter:
             self.depth_known += 1
             stalled = ready == 0
         else:
-            stalled = wait_s > self.stall_threshold_s
+            stalled = wait_s > self._cutoff_s  # recounted at the window's end against its own hand-over time
         if stalled:
             self.stalls += 1
             self.interval_stalls += 1
@@ -114,6 +133,11 @@ class WindowMeter:
         expected = batches * max(1, fetches_per_step)
         if self.fetches > expected > 0:
             fetch_wait_total_s *= expected / self.fetches
+        stalls = self.stalls
+        if self.depth_known == 0 and n_fetch:  # no queue reports: judge the waits against the hand-over time
+            self._cutoff_s = stall_cutoff(self.stall_threshold_s, fetch_sorted[0], batch_bytes)
+            over = n_fetch - bisect.bisect_right(fetch_sorted, self._cutoff_s)
+            stalls = round(over * self.fetches / n_fetch)
         return WindowStats(
             batches=batches,
             samples=batches * batch_size,
@@ -123,7 +147,7 @@ class WindowMeter:
             fetch_wait_p95_s=_percentile(fetch_sorted, 0.95),
             step_p50_s=_percentile(step_sorted, 0.50),
             step_p95_s=_percentile(step_sorted, 0.95),
-            stalls=self.stalls,
+            stalls=stalls,
             fetches=self.fetches,
             queue_depth=(self.depth_sum / self.depth_known) if self.depth_known else None,
             startup_s=self.startup_s,
