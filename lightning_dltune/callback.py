@@ -27,6 +27,7 @@ from lightning_dltune.measure.distributed import reduce_across_ranks
 from lightning_dltune.measure.lightning_internals import (
     hide_not_resumable_warning,
     intercept_loader_requests,
+    loader_owner,
     release_loader_requests,
 )
 from lightning_dltune.measure.probe import WindowProbe
@@ -37,6 +38,20 @@ from lightning_dltune.report.recommendation import conclude_fit
 from lightning_dltune.report.words import VERBOSE_LINE, VERBOSE_REASON, window_line
 
 UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
+
+
+def _tuning_notice(trainer: pl.Trainer, loaders: UserLoaders) -> str:
+    """What the tuner does with the project's own loaders, said once when training starts."""
+    owner = {
+        "datamodule": f"the datamodule ({type(trainer.datamodule).__name__})",
+        "module": f"the LightningModule ({type(trainer.lightning_module).__name__})",
+        "fit": "the arguments of fit()",
+    }[loader_owner(trainer)]
+    if loaders.train_streams():
+        when = "at the next epoch start (a stream cannot be split mid-epoch)"
+    else:
+        when = "mid-epoch, where a window ends"
+    return f"[dltune] tuning the loaders from {owner} in place; the training loader switches {when}"
 
 
 def _not_tunable_notice(reason: str) -> str:
@@ -53,9 +68,15 @@ class DataLoaderTuner(Callback):
     least ``window_batches`` batches and ``window_seconds`` seconds (the fit's first window: the first
     ``first_decision_after`` batches). A window closes anywhere in an epoch, and at every epoch end:
     the callback reduces it across ranks, logs it, and asks the band policy for the next loader config;
-    with a :class:`~lightning_dltune.TunableDataModule` the training loaders switch to it right there
-    (no batch lost or repeated; validation loaders follow at their next run). Under DDP every rank
-    closes the same window at the same batch index and applies the same config.
+    the training loaders switch to it right there (no batch lost or repeated; validation loaders follow
+    at their next run). Under DDP every rank closes the same window at the same batch index and applies
+    the same config.
+
+    The loaders tuned are the fit's own, wherever they come from: a
+    :class:`~lightning_dltune.TunableDataModule`, or the project's ``DataLoader`` objects from its
+    LightningModule, a plain DataModule or ``fit()``'s arguments, taken over in place as Lightning
+    receives them and given back (class, ``worker_init_fn``, settings) when the fit ends
+    (:mod:`lightning_dltune.loaders.adopt`).
 
     The policy judges a config on its recent windows pooled, drops them when the newest window shows
     new conditions (storage, step or starvation moved by more than their noise), measures a change that
@@ -77,12 +98,13 @@ class DataLoaderTuner(Callback):
       recent windows); ``band_low`` / ``band_high`` draw the band.
     - ``fetch_wait_ms``, ``fetch_wait_p50_ms``, ``fetch_wait_p95_ms``, ``step_ms``, ``step_p50_ms``,
       ``step_p95_ms``: per-batch mean and percentiles; a step is measured hook to hook.
-    - ``stalls``, ``stall_fraction``: fetches that found no ready batch. Exact for loaders built by
-      :class:`~lightning_dltune.TunableDataModule`; for other loaders a fetch that waited more than
-      ``stall_threshold_ms``.
-    - ``queue_depth``: mean ready batches at request time (tunable loaders only).
+    - ``stalls``, ``stall_fraction``: fetches that found no ready batch. Exact for the loaders the tuner
+      switches (their workers' finished batches are counted); for loaders it only measures, a fetch that
+      waited longer than ``stall_threshold_ms`` and than the loop's own hand-over time (three times the
+      window's fastest fetch, at most what moving the batch's bytes takes).
+    - ``queue_depth``: mean ready batches at request time (tuned loaders only).
     - ``samples_per_s``, ``startup_ms`` (loader start-up and pipeline fill, never counted as fetch
-      wait), ``worker_batch_ms`` (a worker's time to make one batch, tunable loaders only).
+      wait), ``worker_batch_ms`` (a worker's time to make one batch, tuned loaders only).
     - ``num_workers``, ``prefetch_factor``, ``rebuilds``; and, in TensorBoard, the verdict and reason
       as text (``dltune/decision``).
     - With ``log_every_n_steps``: ``dltune/recent/starvation_ratio``, ``dltune/recent/samples_per_s``,
@@ -91,18 +113,20 @@ class DataLoaderTuner(Callback):
 
     The console gets one short line per window (through the progress bar when one is shown) and, at the
     end of fit, a table of every window and the recommended config, also written to
-    ``dltune_recommendation.yaml`` in the log dir as a LightningCLI config fragment. :attr:`history` holds this
-    fit's windows; a tuner used
-    for a second fit starts afresh (the earlier fits' windows move to :attr:`previous_fits`).
+    ``dltune_recommendation.yaml`` in the log dir as a LightningCLI config fragment (where the loaders'
+    owner takes their settings as arguments; otherwise the console names the DataLoader arguments to
+    set). Beside it, ``dltune_timeline.png`` draws the fit's story (also in TensorBoard's Images tab;
+    needs matplotlib). :attr:`history` holds this fit's windows; a tuner used for a second fit starts
+    afresh (the earlier fits' windows move to :attr:`previous_fits`).
 
     Args:
-        tune: rebuild the loaders of a :class:`~lightning_dltune.TunableDataModule`. ``False``:
-            measure, log and recommend only.
+        tune: switch the fit's loaders (a :class:`~lightning_dltune.TunableDataModule`'s, or the project's
+            own). ``False``: measure, log and recommend only; the project's loaders are not touched.
         band: GPU utilization range ``(low, high)`` to hold, ``0 < low < high <= 1``.
         util_source: ``"auto"`` (NVML where it serves this device, else the estimate), ``"nvml"``
             (warn once if NVML cannot serve, then estimate) or ``"estimate"`` (never touch NVML).
         stall_threshold_ms: for loaders that cannot report their queue, a fetch waiting longer than
-            this is a stall.
+            this (and than the loop's hand-over time) is a stall.
         log_every_n_steps: also log step-granularity metrics every ``n`` optimizer steps; ``0``: off.
         max_workers: most worker processes per rank; ``None``: 4 per usable CPU (affinity and
             cgroup quota, shared among the node's ranks) minus one, room for I/O-bound workers. The
@@ -143,7 +167,7 @@ class DataLoaderTuner(Callback):
 
         tuner = DataLoaderTuner(band=(0.85, 0.95))
         trainer = Trainer(callbacks=[tuner], logger=TensorBoardLogger("logs"))
-        trainer.fit(model, datamodule=datamodule)  # datamodule: a TunableDataModule
+        trainer.fit(model)  # the loaders of model.train_dataloader() / val_dataloader(), tuned in place
         print(tuner.history[-1].next_config)
     """
 
@@ -324,7 +348,8 @@ class DataLoaderTuner(Callback):
         if isinstance(loaders, UserLoaders):  # the training loaders arrived: say what the tuner can do with them
             if loaders.refused is not None:
                 self._say_once(trainer, "no-switch", _not_tunable_notice(loaders.refused))
-            else:
+            elif self._run.tuning:
+                self._say_once(trainer, "adopted", _tuning_notice(trainer, loaders))
                 self._say_held_workers(trainer)
 
     def _say_held_workers(self, trainer: pl.Trainer) -> None:
@@ -336,12 +361,22 @@ class DataLoaderTuner(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._probe.close()
         self._show_lightnings_warnings()  # restored, but no training batch followed
-        if stage == "fit" and isinstance(self._run.datamodule, UserLoaders):
-            release_loader_requests(trainer)
-            self._run.datamodule.release()
+        if stage == "fit":
+            self._give_loaders_back(trainer)
         if stage == "fit" and trainer.is_global_zero and self._handoff.in_spawned_process():
             recommended = self._recommended.as_dict() if self._recommended is not None else None
             self._handoff.send({"state": self.state_dict(), "recommended": recommended})
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._show_lightnings_warnings()
+        self._give_loaders_back(trainer)  # Lightning calls no teardown after an exception
+
+    def _give_loaders_back(self, trainer: pl.Trainer) -> None:
+        """The project's own loaders go back to their class and settings; Lightning asks the hooks directly."""
+        if isinstance(self._run.datamodule, UserLoaders):
+            release_loader_requests(trainer)
+            self._run.datamodule.release()
 
     # ------------------------------------------------------------------ measurement
     @override

@@ -78,3 +78,34 @@ def test_a_ddp_fit_resumed_mid_epoch_with_another_worker_count_sees_every_remain
         assert len(first["train"][1]) == 3 * 4 and len(resumed["train"][0]) == 5 * 4  # 8 batches a rank
         epoch_1 += first["train"][1] + resumed["train"][0]
     assert sorted(epoch_1) == list(range(64))  # both ranks' shards, every sample once
+
+
+@pytest.fixture(scope="module")
+def ddp_user_loaders(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_user")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HELPERS, "ddp_user_loaders_fit.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.load(open(out / f"user_rank{r}.json")) for r in (0, 1)]
+
+
+def test_a_projects_own_loaders_are_tuned_alike_on_every_rank_and_each_sample_trained_once(ddp_user_loaders):
+    rank0, rank1 = ddp_user_loaders
+    assert rank0["history"] == rank1["history"]  # one decision for all ranks
+    assert rank0["history"][0][1] == 0 and rank0["history"][-1][1] > 0  # moved from 0 workers to more
+    # Lightning's own re-created loader, with the DistributedSampler it injected, is the one tuned
+    assert rank0["first_loader"] == rank1["first_loader"] == ["DataLoader", "DistributedSampler", 0]
+    assert rank0["last_loader"][2] == rank1["last_loader"][2] == rank0["history"][-1][1]
+    assert rank0["after_fit"] == rank1["after_fit"] == "DataLoader"
+    for epoch in range(2):  # every sample once per epoch across the ranks
+        ids = rank0["train_indices"][epoch] + rank1["train_indices"][epoch]
+        assert sorted(ids) == list(range(240))
+        val = rank0["val_indices"][epoch] + rank1["val_indices"][epoch]
+        assert sorted(val) == list(range(16))

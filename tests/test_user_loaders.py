@@ -16,13 +16,13 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from fit_workloads import SleepyDataset
+from fit_workloads import CountingIterable, SleepyDataset
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 from user_projects import BATCH, TRAIN_LENGTH, VAL_LENGTH, ModuleLoaders, TaggedLoader, fit_shape, train_set
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.loaders.adopt import AdoptedLoader, why_not_tunable
+from lightning_dltune.loaders.adopt import AdoptedLoader, TimedWorkerInit, why_not_tunable
 
 SHAPES = ["module", "datamodule", "fit_args", "subclass", "batch_sampler"]
 
@@ -49,8 +49,17 @@ def test_a_starved_project_loader_gets_workers_and_every_sample_is_trained_once(
     assert tuner.history[-1].stats.queue_depth is not None  # exact stalls from the workers' counters
     _every_sample_once(model, epochs=2)
     assert "lightning-dltune: loader tuning" in caplog.text and "cannot be switched" not in caplog.text
-    for loader in held.values():  # what the user handed to fit() is theirs again
-        assert type(loader) is DataLoader and loader.num_workers == 0 and loader.worker_init_fn is None
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[dltune] tuning the loaders from")]
+    owner = {"datamodule": "the datamodule (PlainData)", "fit_args": "the arguments of fit()"}
+    assert said == [
+        f"[dltune] tuning the loaders from {owner.get(shape, 'the LightningModule (ModuleLoaders)')} in place;"
+        " the training loader switches mid-epoch, where a window ends"
+    ]
+    if shape == "fit_args":  # no class whose config could set them: the arguments in words
+        assert "on the training DataLoader passed to fit()" in caplog.text
+    for loader in held.values():  # what the user handed to fit() is theirs again (Lightning may seed its workers)
+        assert type(loader) is DataLoader and loader.num_workers == 0
+        assert not isinstance(loader.worker_init_fn, TimedWorkerInit)
         assert not isinstance(loader, AdoptedLoader) and pickle.loads(pickle.dumps(loader)).batch_size == BATCH
 
 
@@ -141,6 +150,7 @@ def test_the_users_dataset_error_reaches_them_unchanged(trainer_kwargs, workers)
         warnings.simplefilter("always")
         trainer.fit(_FailingModule(workers=workers))
     assert not [w for w in caught if "loader config failed" in str(w.message)]
+    assert type(trainer.train_dataloader) is DataLoader  # given back after the exception too
 
 
 class _SelfIterating(DataLoader):
@@ -229,3 +239,49 @@ def test_a_fit_resumed_mid_epoch_trains_the_rest_of_the_epoch_once(trainer_kwarg
     if resume_with_tuner:
         assert sorted(epoch_1) == list(range(TRAIN_LENGTH))  # the rest of the epoch, none twice, none missed
     assert sorted(resumed.train_indices[1]) == list(range(TRAIN_LENGTH))  # the next epoch is a whole one
+
+
+class _StreamModule(ModuleLoaders):
+    def train_dataloader(self):
+        return DataLoader(CountingIterable(48), batch_size=BATCH, num_workers=2)
+
+
+@pytest.mark.slow
+def test_a_stream_keeps_its_worker_count_and_says_so(trainer_kwargs, caplog):
+    tuner = _tuner()
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], limit_val_batches=0, **trainer_kwargs)
+    model = _StreamModule()
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model)
+    assert {r.num_workers for r in tuner.history} == {2}
+    assert [sorted(ids) for ids in model.train_indices] == [list(range(48))] * 2
+    assert "holding num_workers=2" in caplog.text and "switches at the next epoch start" in caplog.text
+
+
+class _TwoLoaders(ModuleLoaders):
+    def training_step(self, batch, batch_idx):
+        for part in batch.values():
+            self.train_indices[-1].extend(part["index"].tolist())
+        return self.layer(batch["a"]["x"]).pow(2).mean()
+
+    def train_dataloader(self):
+        return {
+            "a": DataLoader(train_set(), batch_size=BATCH, shuffle=True),
+            "b": DataLoader(SleepyDataset(TRAIN_LENGTH, batch_cost_s=BATCH_COST), batch_size=BATCH),
+        }
+
+
+@pytest.mark.slow
+def test_every_train_loader_of_a_combined_loader_is_tuned(trainer_kwargs):
+    seen = []
+
+    class Look(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(tuple(dl.num_workers for dl in trainer.train_dataloader.values()))
+
+    tuner = _tuner()
+    model = _TwoLoaders()
+    trainer = pl.Trainer(max_epochs=1, callbacks=[tuner, Look()], limit_val_batches=0, **trainer_kwargs)
+    trainer.fit(model)
+    assert seen[0] == (0, 0) and seen[-1][0] > 0 and seen[-1][0] == seen[-1][1]
+    assert sorted(model.train_indices[0]) == sorted(list(range(TRAIN_LENGTH)) * 2)  # each loader's samples once

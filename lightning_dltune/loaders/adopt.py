@@ -228,6 +228,10 @@ class UserLoaders(LiveLoaders):
     def live_loaders(self) -> list[TunedLoader]:
         return self._live()
 
+    def train_streams(self) -> bool:
+        """Whether a live training loader reads an ``IterableDataset`` (it switches at epoch starts only)."""
+        return any(isinstance(loader.dataset, IterableDataset) for loader in self._live(TRAIN))
+
     def held_workers(self) -> Optional[int]:
         return self._start_workers if self._streams else None
 

@@ -59,6 +59,19 @@ def _fit_sources(trainer: Any) -> list[tuple[str, Any]]:
     return [(stage, source) for stage, source in found if callable(getattr(type(source), "dataloader", None))]
 
 
+def loader_owner(trainer: Any) -> str:
+    """Who hands Lightning the fit's training loaders: ``"datamodule"``, ``"module"`` or ``"fit"`` (its arguments)."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    instance = getattr(source, "instance", None)
+    if isinstance(instance, LightningDataModule):
+        return "datamodule"
+    if isinstance(instance, LightningModule) or instance is None:
+        return "module"
+    return "fit"
+
+
 def intercept_loader_requests(trainer: Any, received: Callable[[str, Any], Any]) -> bool:
     """From now on, what the fit's train and val sources give Lightning passes through ``received(stage, loaders)``.
 

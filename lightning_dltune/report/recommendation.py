@@ -18,6 +18,7 @@ import yaml
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.history import best_config, median_rate
 from lightning_dltune.core.records import WindowRecord
+from lightning_dltune.measure.lightning_internals import loader_owner
 from lightning_dltune.report.console import say
 from lightning_dltune.report.timeline import fit_timeline
 from lightning_dltune.report.words import VERBOSE_LINE, summary_table
@@ -35,7 +36,12 @@ class Target(NamedTuple):
 
 
 def target_of(trainer: Any) -> Target:
-    """The loaders' owner in this fit (the datamodule, else the LightningModule) and the settings it takes."""
+    """The loaders' owner in this fit (the datamodule, else the LightningModule) and the settings it takes.
+
+    Loaders passed to ``fit()`` have no owner a config could reach: ``Target("", (), "fit()")``.
+    """
+    if loader_owner(trainer) == "fit":
+        return Target("", (), "fit()")
     datamodule = getattr(trainer, "datamodule", None)
     if datamodule is not None:
         owner, section, kind = datamodule, "data", "the datamodule"
@@ -147,8 +153,13 @@ def _how_to_apply(config: LoaderConfig, target: Target, path: Optional[str]) -> 
         if rest:
             text += f"; {target.owner} takes no {', '.join(rest)}: set {_as_arguments(config, rest)} on its DataLoader"
         return text
-    why = "" if target.keys else f" ({target.owner} takes no num_workers argument a config could set)"
+    where = f"of {target.owner}" if target.section else "passed to fit()"
+    why = (
+        ""
+        if target.keys or not target.section
+        else f" ({target.owner} takes no num_workers argument a config could set)"
+    )
     return (
         f"[dltune] to use the recommendation, set {_as_arguments(config, _SETTINGS)} on the training"
-        f" DataLoader of {target.owner}{why}"
+        f" DataLoader {where}{why}"
     )
