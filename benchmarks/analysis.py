@@ -1,9 +1,11 @@
 """A workload's runs judged: each strategy's median run summarised, and the tuned runs against the oracle.
 
 :func:`analyse` turns what :func:`workload_runs.run_workload` measured into the results' ``strategies``
-(one summary per strategy), ``runs`` (every run, slimmed) and ``tuned`` (per start: tuned / oracle
+(one summary per strategy), ``runs`` (every run, slimmed), ``tuned`` (per start: tuned / oracle
 time, on the phase after the change for a workload whose conditions change, and the other ratios the
-targets check, with where the extra time went).
+targets check, with where the extra time went) and ``own_loaders`` (per start: the tuned fit of the
+project's own loaders against the oracle and against the mixin's tuned fit of that start, judged on the
+same part of the fit).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
-from strategies import BAND, LABELS, STRATEGIES, config_dict
+from strategies import BAND, LABELS, MIXIN_OF, START_OF, STRATEGIES, config_dict
 
 STABLE_VERDICTS = ("compute-bound", "data-bound (CPU saturated)", "memory-capped")
 
@@ -161,7 +163,45 @@ def analyse(workload_result: dict[str, Any], epochs: int) -> dict[str, Any]:
             "excess": excess_breakdown(t, oracle),
         }
     workload_result["tuned"] = tuned
+    workload_result["own_loaders"] = {
+        START_OF[own]: own_loaders_ratios(workload_result, strategies[own], strategies[mixin], oracle, default)
+        for own, mixin in MIXIN_OF.items()
+    }
     return workload_result
+
+
+def own_loaders_ratios(
+    workload_result: dict[str, Any],
+    own: dict[str, Any],
+    mixin: dict[str, Any],
+    oracle: dict[str, Any],
+    default: dict[str, Any],
+) -> dict[str, Any]:
+    """The own loaders' tuned fit of one start against the oracle and the mixin's tuned fit of that start.
+
+    A workload whose conditions change is judged on its phase, as the mixin's tuned runs are.
+    """
+    failed = own.get("error") or oracle.get("error") or mixin.get("error")
+    if failed:
+        return {"own_over_oracle_time": None, "own_over_mixin_time": None, "error": failed}
+    judged = bool(workload_result.get("phase_start"))
+    key = "phase_s" if judged else "fit_s"
+    return {
+        "own_over_oracle_time": ratio(own[key], oracle[key]),
+        "own_over_mixin_time": ratio(own[key], mixin[key]),
+        "own_over_oracle_fit_time": ratio(own["fit_s"], oracle["fit_s"]),
+        "own_over_mixin_fit_time": ratio(own["fit_s"], mixin["fit_s"]),
+        "judged": workload_result.get("judged", "the whole fit"),
+        "own_s": own[key],
+        "mixin_s": mixin[key],
+        "oracle_s": oracle[key],
+        "default_over_tuned_time": ratio(default.get("fit_s"), own["fit_s"]),
+        "peak_memory_over_mixin": ratio(own["peak_memory_mb"], mixin["peak_memory_mb"]),
+        "final_config": own["final_config"],
+        "mixin_final_config": mixin["final_config"],
+        "rebuilds": own["rebuilds"],
+        "mixin_rebuilds": mixin["rebuilds"],
+    }
 
 
 def _hog_configs(workload_result: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]:

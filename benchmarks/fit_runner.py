@@ -3,7 +3,9 @@
 The parent (:mod:`fit_launcher`) runs each fit as ``tuning.py --run-one <spec>`` in its own process, so
 that fits cannot leak workers or memory into each other; :func:`run_one` is what that child runs. The
 spec names the workload, the start config, whether the tuner tunes (``tune=False``: it only measures,
-so every strategy is measured by the same clocks), the epochs and the seed.
+so every strategy is measured by the same clocks), who builds the loaders (``own_loaders``: the
+LightningModule's hooks, :mod:`own_loaders`; otherwise the workload's ``TunableDataModule``), the epochs
+and the seed.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def _epoch_clock(memory_fraction: float):
 def _timed_fit(spec: dict[str, Any], workload, callbacks: list) -> tuple[float, float, float, float]:
     """``trainer.fit`` of the workload at the spec's config: ``(fit_s, started_at, ended_at, perf_counter at end)``."""
     import lightning.pytorch as pl
+    from own_loaders import build_own
     from phases import EpochFlag
     from workloads import EPOCH_FILE_ENV, build
 
@@ -151,7 +154,10 @@ def _timed_fit(spec: dict[str, Any], workload, callbacks: list) -> tuple[float, 
             default_root_dir=root,
             callbacks=callbacks,
         )
-        model, data = build(workload, spec["num_workers"], spec["prefetch_factor"])
+        if spec.get("own_loaders"):  # plain DataLoaders in the LightningModule, no datamodule
+            model, data = build_own(workload, spec["num_workers"], spec["prefetch_factor"]), None
+        else:
+            model, data = build(workload, spec["num_workers"], spec["prefetch_factor"])
         fit_started = time.time()
         t0 = time.perf_counter()
         trainer.fit(model, datamodule=data)

@@ -4,7 +4,11 @@
   whose conditions change: the phase after the change against that phase's oracle);
 - single-epoch fits in band within the first :data:`TARGET_BAND_FRACTION` of the epoch;
 - on the I/O-bound workload, the tuned run's steady samples/s >= :data:`TARGET_IO_SPEEDUP` x the default's;
-- the tuned runs' peak memory <= :data:`TARGET_MEMORY_RATIO` x the oracle run's.
+- the tuned runs' peak memory <= :data:`TARGET_MEMORY_RATIO` x the oracle run's;
+- with the project's own loaders (no mixin), tuned / oracle time <= :data:`TARGET_TIME_RATIO` as with the
+  mixin (judged on the same part of the fit), and own-loaders / mixin tuned time of the same start
+  <= :data:`TARGET_OWN_RATIO` (where a run has them: results from before the own-loaders strategies
+  have no such checks).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ TARGET_TIME_RATIO = 1.05
 TARGET_BAND_FRACTION = 0.05  # single-epoch fits reach the band within this fraction of the epoch
 TARGET_IO_SPEEDUP = 3.0
 TARGET_MEMORY_RATIO = 1.15
+TARGET_OWN_RATIO = 1.03  # own loaders' tuned time against the mixin's tuned time, same start, same run
 
 
 def _check(
@@ -82,6 +87,28 @@ def evaluate_targets(workloads: dict[str, dict[str, Any]]) -> list[dict[str, Any
                     t.get("peak_memory_over_oracle"),
                     TARGET_MEMORY_RATIO,
                     steady_value=t.get("steady_peak_memory_over_oracle"),
+                )
+            )
+        for start, o in w.get("own_loaders", {}).items():
+            judged = w.get("judged", "the whole fit")
+            targets.append(
+                _check(
+                    f"own loaders: tuned/oracle fit time <= {TARGET_TIME_RATIO:.2f}",
+                    name,
+                    start,
+                    o.get("own_over_oracle_time"),
+                    TARGET_TIME_RATIO,
+                    judged=judged,
+                )
+            )
+            targets.append(
+                _check(
+                    f"own loaders/mixin tuned fit time <= {TARGET_OWN_RATIO:.2f}",
+                    name,
+                    start,
+                    o.get("own_over_mixin_time"),
+                    TARGET_OWN_RATIO,
+                    judged=judged,
                 )
             )
     if "io-bound" in workloads:

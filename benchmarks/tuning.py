@@ -9,7 +9,10 @@ the same session so that ratios hold on a noisy machine:
 - ``oracle``: the best static config of a grid over workers x prefetch, measured in this run (every
   grid point runs a few epochs; the winner then runs the full fit);
 - ``tuned_default``: :class:`~lightning_dltune.DataLoaderTuner` from the default start;
-- ``tuned_bad``: the tuner from a bad start, 16 workers x prefetch 8.
+- ``tuned_bad``: the tuner from a bad start, 16 workers x prefetch 8;
+- ``own_default`` and ``own_bad``: the same two tuned fits with the loaders a project builds itself,
+  plain ``DataLoader`` calls in the LightningModule's hooks and no datamodule (:mod:`own_loaders`),
+  judged against the oracle and against the mixin's tuned fit of the same start.
 
 A workload that slows down during the fit (:mod:`phases`) is judged on the part after the change: its
 grid runs the slow cost throughout, so the oracle is the best static config *of that phase*, and the
@@ -28,8 +31,8 @@ Writes ``tuning.json``, ``tuning.md`` and ``tuning.png`` to ``--out`` (default `
 """
 
 # This file is the command line; the harness lives next to it: workload_runs (the order of one
-# workload's runs), fit_launcher and fit_runner (one fit in its own process), tree_memory, oracle,
-# analysis, targets, tuning_report and tuning_plot.
+# workload's runs), fit_launcher and fit_runner (one fit in its own process), own_loaders (a project's
+# own loaders), tree_memory, oracle, analysis, targets, tuning_report and tuning_plot.
 
 from __future__ import annotations
 

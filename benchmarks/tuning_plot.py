@@ -1,5 +1,6 @@
 """``tuning.png``: per workload, samples/s per epoch of every strategy (utilization along the epoch for a
-one-epoch workload), and a last panel of tuned / oracle fit time per workload and start against the target.
+one-epoch workload), and a last panel of tuned / oracle fit time per workload and start against the target
+(the mixin's tuned fits and, where the run has them, the project's own loaders').
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ STYLES = {
     "oracle": ("black", "D", "--"),
     "tuned_default": ("tab:blue", "^", "-"),
     "tuned_bad": ("tab:red", "v", "-"),
+    "own_default": ("tab:cyan", "^", ":"),
+    "own_bad": ("tab:orange", "v", ":"),
 }  # (color, marker, line)
 
 
@@ -54,7 +57,7 @@ def _workload_panel(ax, name: str, w: dict[str, Any]) -> None:
 
     single = w.get("epochs") == 1  # one epoch: utilization along the epoch, from the batch clocks
     for key in STRATEGIES:
-        s = w["strategies"][key]
+        s = w["strategies"].get(key, {"error": "not in these results"})
         if "error" in s:
             continue
         color, marker, ls = STYLES[key]
@@ -78,9 +81,22 @@ def _workload_panel(ax, name: str, w: dict[str, Any]) -> None:
 def _ratio_panel(ax, results: dict[str, Any], names: list[str]) -> None:
     """The last panel: tuned / oracle fit time per workload and start, against the target."""
     xs = range(len(names))
-    for offset, (start, color) in zip((-0.2, 0.2), (("from_default", "tab:blue"), ("from_bad", "tab:red"))):
-        values = [results["workloads"][n]["tuned"].get(start, {}).get("tuned_over_oracle_time") or 0 for n in names]
-        ax.bar([x + offset for x in xs], values, width=0.4, color=color, label=f"tuned {start.replace('_', ' ')}")
+    workloads = [results["workloads"][n] for n in names]
+    bars = [("tuned", "from_default", "tab:blue"), ("tuned", "from_bad", "tab:red")]
+    if any("own_loaders" in w for w in workloads):
+        bars = [
+            bars[0],
+            ("own_loaders", "from_default", "tab:cyan"),
+            bars[1],
+            ("own_loaders", "from_bad", "tab:orange"),
+        ]
+    width = 0.8 / len(bars)
+    for i, (part, start, color) in enumerate(bars):
+        field = "tuned_over_oracle_time" if part == "tuned" else "own_over_oracle_time"
+        values = [w.get(part, {}).get(start, {}).get(field) or 0 for w in workloads]
+        offset = (i - (len(bars) - 1) / 2) * width
+        label = f"{'tuned' if part == 'tuned' else 'own loaders, tuned'} {start.replace('_', ' ')}"
+        ax.bar([x + offset for x in xs], values, width=width, color=color, label=label)
     ax.axhline(TARGET_TIME_RATIO, color="black", linestyle="--", linewidth=1, label=f"target {TARGET_TIME_RATIO:.2f}")
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xticks(list(xs))

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from analysis import ratio
 from phases import BAND_SPAN
-from strategies import BAD_START, BAND, LABELS, STRATEGIES, config_dict, config_text
+from strategies import BAD_START, BAND, LABELS, MIXIN_OF, START_OF, STRATEGIES, config_dict, config_text
 from targets import TARGET_MEMORY_RATIO
 from tuning_plot import write_plot
 
@@ -20,6 +20,11 @@ from tuning_plot import write_plot
 def num_text(x: Optional[float], fmt: str = "{:.2f}") -> str:
     """A number in a table cell, ``n/a`` where it is missing."""
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def strategies_of(w: dict[str, Any]) -> list[str]:
+    """The strategies a workload's results hold, in the report's order (older results lack the newer ones)."""
+    return [key for key in STRATEGIES if key in w["strategies"]]
 
 
 def write_outputs(results: dict[str, Any], out: str) -> None:
@@ -132,23 +137,26 @@ def _strategy_table(w: dict[str, Any]) -> list[str]:
     """Every strategy of one workload: configs, fit time, samples/s per epoch, band, rebuilds, memory, ratios."""
     lines = [
         "| strategy | config start -> end | fit time (s) | samples/s per epoch | until in band (or verdict) | "
-        "rebuilds | peak memory MB (steady) | tuned/oracle time | default/tuned time |",
-        "|---|---|---:|---|---|---:|---:|---:|---:|",
+        "rebuilds | peak memory MB (steady) | tuned/oracle time | default/tuned time | own/mixin time |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]
-    for key in STRATEGIES:
+    for key in strategies_of(w):
         s = w["strategies"][key]
         if "error" in s:
-            lines.append(f"| {LABELS[key]} | failed: {str(s['error'])[:80]} | | | | | | | |")
+            lines.append(f"| {LABELS[key]} | failed: {str(s['error'])[:80]} | | | | | | | | |")
             continue
-        start = {"tuned_default": "from_default", "tuned_bad": "from_bad"}.get(key)
+        start = START_OF.get(key)
         tuned = w["tuned"].get(start, {}) if start else {}
+        own = w.get("own_loaders", {}).get(start, {}) if key in MIXIN_OF else {}
+        over_oracle = own.get("own_over_oracle_time") if key in MIXIN_OF else tuned.get("tuned_over_oracle_time")
+        over_default = (own if key in MIXIN_OF else tuned).get("default_over_tuned_time")
         sps = " ".join(f"{x:.0f}" for x in s["samples_per_s"])
         cfg = config_text(s["start_config"]) + (f" -> {config_text(s['final_config'])}" if s["tuned"] else "")
         mem = f"{num_text(s['peak_memory_mb'], '{:.0f}')} ({num_text(s['steady_peak_memory_mb'], '{:.0f}')})"
         lines.append(
             f"| {s['label']} | {cfg} | {s['fit_s']:.1f} | {sps} | {s['until_in_band']} | {s['rebuilds']} | {mem} | "
-            f"{num_text(tuned.get('tuned_over_oracle_time'), '{:.2f}') if start else ''} | "
-            f"{num_text(tuned.get('default_over_tuned_time'), '{:.2f}') if start else ''} |"
+            f"{num_text(over_oracle) if start else ''} | {num_text(over_default) if start else ''} | "
+            f"{num_text(own.get('own_over_mixin_time')) if key in MIXIN_OF else ''} |"
         )
     return lines
 
@@ -157,7 +165,7 @@ def _tuned_run_lines(workloads: dict[str, Any]) -> list[str]:
     """The tuned runs, epoch by epoch (window by window for a one-epoch workload): config, utilization, verdict."""
     lines = ["## Tuned runs, epoch by epoch", ""]
     for name, w in workloads.items():
-        for key in ("tuned_default", "tuned_bad"):
+        for key in (k for k in strategies_of(w) if k in START_OF):
             s = w["strategies"][key]
             if "error" in s:
                 continue
@@ -205,7 +213,7 @@ def _phase_lines(w: dict[str, Any]) -> list[str]:
         "|---|---:|---:|---:|---:|---|",
     ]
     oracle = w["strategies"]["oracle"]
-    for key in STRATEGIES:
+    for key in strategies_of(w):
         s = w["strategies"][key]
         if "error" in s:
             continue
@@ -288,6 +296,9 @@ def _misses(name: str, w: dict[str, Any], targets: list[dict[str, Any]]) -> list
         if t["workload"] != name or t["met"] or t["value"] is None:
             continue
         key = {"from_default": "tuned_default", "from_bad": "tuned_bad"}[t["start"]]
+        if t["target"].startswith("own loaders"):
+            out.append(_own_miss(t, w))
+            continue
         s, o = w["strategies"][key], w["strategies"]["oracle"]
         if t["target"].startswith("tuned/oracle") and w.get("phase_start"):
             tt = w["tuned"][t["start"]]
@@ -337,6 +348,25 @@ def _misses(name: str, w: dict[str, Any], targets: list[dict[str, Any]]) -> list
         else:
             out.append(f"- Missed: {t['target']} ({t['start'].replace('_', ' ')}): {t['value']:.2f}x.")
     return out + ([""] if out else [])
+
+
+def _own_miss(t: dict[str, Any], w: dict[str, Any]) -> str:
+    """A missed own-loaders check: the own loaders' fit next to the mixin's and the oracle's, and their trails."""
+    own_key = next(k for k, v in START_OF.items() if v == t["start"] and k in MIXIN_OF)
+    own, mixin = w["strategies"][own_key], w["strategies"][MIXIN_OF[own_key]]
+    o = w["own_loaders"][t["start"]]
+    part = "phase" if w.get("phase_start") else "fit"
+    return (
+        f"- Missed: {t['target']} ({t['start'].replace('_', ' ')}): {part} {num_text(o['own_s'], '{:.1f}')} s with "
+        f"the own loaders vs {num_text(o['mixin_s'], '{:.1f}')} s with the mixin and "
+        f"{num_text(o['oracle_s'], '{:.1f}')} s for the oracle; own loaders {_trail(own)} "
+        f"({own['rebuilds']} rebuilds), mixin {_trail(mixin)} ({mixin['rebuilds']} rebuilds); epoch walls "
+        f"own {_walls(own)} s vs mixin {_walls(mixin)} s."
+    )
+
+
+def _walls(s: dict[str, Any]) -> str:
+    return "/".join(num_text(x, "{:.1f}") for x in s["epoch_wall_s"])
 
 
 def _excess_text(x: dict[str, Any], tuned: dict[str, Any], oracle: dict[str, Any]) -> str:

@@ -1,9 +1,12 @@
 """Every run of one workload, in the benchmark's order: the static strategies and the grid, then the rest.
 
 Within a workload, the ``default`` and ``rule`` runs and the grid points run first in a shuffled order
-(seeded); the oracle is picked from the grid (:mod:`oracle`); then the oracle and the two tuned starts
-run in an order rotated per workload and per repeat. All strategies of a workload run within a few
-minutes of each other, so load from other jobs on a shared machine hits them alike.
+(seeded); the oracle is picked from the grid (:mod:`oracle`); then the oracle and the tuned fits run
+in an order rotated per workload and per repeat. The tuned fits come in pairs of one start, the mixin's
+and the project's own loaders (:data:`~strategies.MIXIN_OF`), run one after the other in an order that
+alternates per workload and repeat, so the pair's ratio compares fits under the same load. All
+strategies of a workload run within a few minutes of each other, so load from other jobs on a shared
+machine hits them alike.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from fit_launcher import launch
 from oracle import batch_bytes_of, grid_rows, oracle_rule, pick_oracle
-from strategies import BAD_START, MB, STRATEGIES, grid_config
+from strategies import BAD_START, MB, MIXIN_OF, OWN_LOADERS, STRATEGIES, grid_config
 
 
 def run_workload(
@@ -38,6 +41,7 @@ def run_workload(
         "tuned_default": (0, 2, True),
         "tuned_bad": (BAD_START[0], BAD_START[1], True),
     }
+    starts.update({own: starts[mixin] for own, mixin in MIXIN_OF.items()})  # the same starts, own loaders
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in STRATEGIES}
     grid_runs = _run_static_and_grid(launcher, starts, grid_configs, runs, epochs, grid_epochs, rng)
 
@@ -89,6 +93,7 @@ class _Launcher:
             "epochs": n_epochs,
             "train_batches": workload.train_batches,
             "seed": self.args.seed,
+            "own_loaders": label in OWN_LOADERS,  # plain DataLoaders in the LightningModule, no datamodule
             # a phased workload's grid runs the judged phase alone: its oracle is that phase's
             "slowed_throughout": label == "grid" and workload.phased,
             "run_id": next(self.run_counter),
@@ -97,7 +102,7 @@ class _Launcher:
     def run(self, label: str, w: int, p: int, tune: bool, n_epochs: int) -> dict[str, Any]:
         """One fit in a child process, its fit time and peak memory printed."""
         s = self.spec(label, w, p, tune, n_epochs)
-        tag = "tuned" if s["tune"] else "static"
+        tag = ("own-tuned" if s["own_loaders"] else "tuned") if s["tune"] else "static"
         print(
             f"  [{self.workload.name}] {label:<14} {tag} start {s['num_workers']}x{s['prefetch_factor']}, "
             f"{s['epochs']} epochs ...",
@@ -162,11 +167,14 @@ def _run_oracle_and_tuned(
     index: int,
     repeats: int,
 ) -> None:
-    """Phase 2: the oracle and both tuned starts, rotated per workload and repeat (plus static repeats)."""
+    """Phase 2: the oracle and the tuned pairs (mixin, own loaders) of both starts, rotated per workload and
+    repeat (plus static repeats); within a pair, who runs first alternates."""
     for repeat in range(repeats):
-        order = ["oracle", "tuned_default", "tuned_bad"] + (["default", "rule"] if repeat else [])
-        shift = (index + repeat) % len(order)
-        for kind in order[shift:] + order[:shift]:
+        turn = index + repeat
+        pairs = [[mixin, own] if turn % 2 == 0 else [own, mixin] for own, mixin in MIXIN_OF.items()]
+        groups = [["oracle"], *pairs] + ([["default"], ["rule"]] if repeat else [])
+        shift = turn % len(groups)
+        for kind in [k for group in groups[shift:] + groups[:shift] for k in group]:
             w, p, tune = starts[kind]
             runs[kind].append(launcher.run(kind, w, p, tune, epochs))
 

@@ -70,3 +70,29 @@ def test_io_bound_speedup_is_a_floor_and_single_epoch_fits_get_a_band_check():
     assert checks[("I/O-bound", "io-bound", "from_bad")]["met"]
     band = checks[("single epoch", "drift-epoch", "from_default")]
     assert not band["met"] and band["miss_by"] == pytest.approx(0.6) and band["band_reached_after_change"] == 30
+
+
+def test_own_loaders_are_judged_against_the_oracle_and_the_mixins_tuned_time_of_their_start():
+    own = {
+        "from_default": {"own_over_oracle_time": 1.04, "own_over_mixin_time": 1.05},
+        "from_bad": {"own_over_oracle_time": 1.26, "own_over_mixin_time": None},
+    }
+    workload = {
+        "epochs": 8,
+        "judged": "epochs 3-7 (after the slowdown)",
+        "tuned": {"from_default": _tuned(1.0), "from_bad": _tuned(1.0)},
+        "own_loaders": own,
+    }
+    all_checks = targets.evaluate_targets({"slow-at-epoch": workload})
+    assert len(all_checks) == 8  # 4 of the mixin's tuned runs, 4 of the own loaders'
+    checks = _by(all_checks)
+    to_oracle = checks[("own loaders", "slow-at-epoch", "from_default")]
+    assert to_oracle["met"] and to_oracle["threshold"] == targets.TARGET_TIME_RATIO
+    assert to_oracle["judged"] == "epochs 3-7 (after the slowdown)"  # the part the mixin's runs are judged on
+    late = checks[("own loaders", "slow-at-epoch", "from_bad")]
+    assert not late["met"] and late["miss_by"] == pytest.approx(1.26 / 1.05 - 1)
+    to_mixin = checks[("own loaders/mixin tuned fit time", "slow-at-epoch", "from_default")]
+    assert to_mixin["threshold"] == targets.TARGET_OWN_RATIO == 1.03
+    assert not to_mixin["met"] and to_mixin["miss_by"] == pytest.approx(1.05 / 1.03 - 1)
+    failed = checks[("own loaders/mixin tuned fit time", "slow-at-epoch", "from_bad")]
+    assert not failed["met"] and failed["miss_by"] is None  # a failed run is a miss without an amount

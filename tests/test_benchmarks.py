@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ("default", "rule", "oracle", "tuned_default", "tuned_bad")
+STRATEGIES = ("default", "rule", "oracle", "tuned_default", "tuned_bad", "own_default", "own_bad")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,22 @@ def test_smoke_run_writes_json_with_a_checkable_ratio_per_start(smoke_results):
         assert s["fit_s"] > 0 and s["peak_memory_mb"] > 0
     assert workload["grid"] and workload["oracle_config"]["num_workers"] in (0, 2)
     assert {t["workload"] for t in results["targets"]} == {"step-bound"}
+
+
+def test_smoke_run_tunes_the_modules_own_loaders_against_the_oracle_and_the_mixin(smoke_results):
+    results = json.loads((smoke_results / "tuning.json").read_text())
+    workload = results["workloads"]["step-bound"]
+    for own, mixin, start in (("own_default", "tuned_default", "from_default"), ("own_bad", "tuned_bad", "from_bad")):
+        (run,) = workload["runs"][own]
+        assert run["spec"]["own_loaders"] and run["spec"]["tune"]
+        assert not workload["runs"][mixin][0]["spec"]["own_loaders"]
+        assert workload["strategies"][own]["start_config"] == workload["strategies"][mixin]["start_config"]
+        ratios = workload["own_loaders"][start]
+        for key in ("own_over_oracle_time", "own_over_mixin_time"):
+            assert isinstance(ratios[key], float) and math.isfinite(ratios[key]) and ratios[key] > 0
+    own_checks = [t for t in results["targets"] if t["target"].startswith("own loaders")]
+    assert len(own_checks) == 4 and {t["start"] for t in own_checks} == {"from_default", "from_bad"}
+    assert "own loaders, tuned, bad start" in (smoke_results / "tuning.md").read_text()
 
 
 def test_smoke_run_writes_markdown_table_and_png(smoke_results):
