@@ -9,9 +9,16 @@ from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_dltune.control.budgets import clamp_datamodule_start, job_budget
+from lightning_dltune.control.budgets import (
+    clamp_datamodule_start,
+    clamp_notice,
+    clamp_start,
+    job_budget,
+    less_the_other_side,
+)
 from lightning_dltune.control.handoff import SpawnHandoff
 from lightning_dltune.control.resources import MEMORY_FRACTION, SHM_FRACTION
 from lightning_dltune.control.run import TuningRun
@@ -35,6 +42,7 @@ from lightning_dltune.nvml.sampler import MODE_SAMPLES
 from lightning_dltune.report.console import Notices, say
 from lightning_dltune.report.metrics import add_panels, log_interval, log_window, window_scalars
 from lightning_dltune.report.recommendation import conclude_fit
+from lightning_dltune.report.validation import log_val_run, val_line, val_scalars
 from lightning_dltune.report.words import VERBOSE_LINE, VERBOSE_REASON, window_line
 
 UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
@@ -149,6 +157,9 @@ class DataLoaderTuner(Callback):
             table; ``2``: also each window's throughput, fetch wait, step time and reason.
         recommendation_file: write ``dltune_recommendation.yaml`` in the logger's log dir at the end of
             fit (not without a logger nor under ``fast_dev_run``, where Lightning suppresses logging).
+        tune_validation: give the validation loaders a config of their own, decided from their own
+            validation runs (each run is the validation side's window). ``False``: they follow the
+            training loaders' config; their runs are still measured and logged.
 
     Raises:
         ValueError: for a band other than two numbers with ``0 < low < high <= 1``, an unknown
@@ -190,6 +201,7 @@ class DataLoaderTuner(Callback):
         window_seconds: float = 3.0,
         verbose: Union[bool, int] = True,
         recommendation_file: bool = True,
+        tune_validation: bool = True,
     ) -> None:
         super().__init__()
         self.band = validation.band("band", band)
@@ -208,6 +220,7 @@ class DataLoaderTuner(Callback):
         self.shm_fraction = validation.fraction("shm_fraction", shm_fraction, zero=False)
         self.verbose = validation.level("verbose", verbose, VERBOSE_REASON)
         self.recommendation_file = validation.flag("recommendation_file", recommendation_file)
+        self.tune_validation = validation.flag("tune_validation", tune_validation)
         # max_rebuilds, min_gain and max_prefetch_factor are checked by PolicySettings
         self.settings = PolicySettings(
             band=self.band, max_rebuilds=max_rebuilds, min_gain=min_gain, max_prefetch_factor=max_prefetch_factor
@@ -215,6 +228,8 @@ class DataLoaderTuner(Callback):
         self.previous_fits: list[list[WindowRecord]] = []
         """The windows of earlier fits with this tuner, one list per fit."""
         self._probe = WindowProbe(stall_threshold_s=stall_threshold_ms / 1000.0)
+        self._val_probe = WindowProbe(stall_threshold_s=stall_threshold_ms / 1000.0, validation=True)
+        self._val_measuring = False
         self._notices = Notices()
         self._handoff = SpawnHandoff()
         self._start_fit()
@@ -230,11 +245,13 @@ class DataLoaderTuner(Callback):
             self.settings, WindowSchedule(self.window_batches, self.window_seconds, first), datamodule, self.tune
         )
         self._run.on_rollback = self._said_rollback
+        self._run.tune_validation = self.tune_validation
         self._recommended: Optional[LoaderConfig] = None
         self.recommendation_path: Optional[str] = None
         self._measuring = False  # the probe measures this epoch (set at its start, or at its first batch)
         self._show_not_resumable: Optional[Callable[[], None]] = None
         self._resumed_at: Optional[int] = None  # the batch a resumed epoch continues at
+        self._start_budget: Optional[Budget] = None
         self._last_step_logged = -1
         self._notices.reset()
 
@@ -243,6 +260,13 @@ class DataLoaderTuner(Callback):
         """This fit's windows, a :class:`~lightning_dltune.core.records.WindowRecord` each (config, stats, verdict)."""
         self._take_handoff()
         return self._run.history
+
+    @property
+    def val_history(self) -> list[WindowRecord]:
+        """This fit's validation runs, one :class:`~lightning_dltune.core.records.WindowRecord` each (sanity
+        checks left out): the validation side's windows, judged on their own."""
+        self._take_handoff()
+        return self._run.val_history
 
     @property
     def rebuilds(self) -> int:
@@ -302,6 +326,9 @@ class DataLoaderTuner(Callback):
         datamodule = self._run.datamodule
         if self._run.tuning and datamodule is not None:
             self._run.start_fit()
+        if isinstance(datamodule, UserLoaders) and self._run.tuning:
+            budget = self._start_budget = self._budget(trainer, pl_module)  # a collective: here, on every rank
+            datamodule.clamp_start = partial(clamp_start, budget=budget, settings=self.settings)
         if isinstance(datamodule, TunableDataModule):
             self._say_held_workers(trainer)
             clamped = clamp_datamodule_start(datamodule, self._budget(trainer, pl_module), self.settings)
@@ -351,6 +378,10 @@ class DataLoaderTuner(Callback):
             elif self._run.tuning:
                 self._say_once(trainer, "adopted", _tuning_notice(trainer, loaders))
                 self._say_held_workers(trainer)
+                if loaders.clamped is not None:
+                    asked, started, nbytes = loaders.clamped
+                    notice = clamp_notice(asked, started, self._start_budget, nbytes, self.settings)
+                    self._say_once(trainer, "clamped", notice)
 
     def _say_held_workers(self, trainer: pl.Trainer) -> None:
         held = self._run.datamodule.held_workers_reason()  # type: ignore[union-attr]
@@ -414,9 +445,59 @@ class DataLoaderTuner(Callback):
             else:
                 self._run.looked(batch_idx)
 
+    # ------------------------------------------------------------------ validation runs
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._probe.pause_util()  # resumed by the next training batch: a checkpoint saved after stays out
+        self._val_measuring = not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING
+        if self._val_measuring:
+            self._val_probe.attach(trainer, self._run.datamodule)
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self._val_measuring:
+            self._val_probe.batch_started(trainer, batch, time.perf_counter())
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self._val_measuring:
+            self._val_probe.batch_ended(time.perf_counter())
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._val_measuring:
+            return
+        self._val_measuring = False
+        config = self._val_probe.config
+        stats = reduce_across_ranks(
+            trainer.strategy, self._val_probe.local_stats(), trainer.world_size, pl_module.device
+        )
+        self._val_probe.close()
+        if config is None:
+            return
+        train = self._run.history[-1] if self._run.history else None
+        budget = less_the_other_side(
+            self._budget(trainer, pl_module),
+            None if train is None else self._run.running_config(train),
+            None if train is None else train.stats.batch_bytes,
+        )
+        broadcast = partial(trainer.strategy.broadcast, src=0)
+        record = self._run.close_val_run(config, stats, budget, trainer.current_epoch, trainer.global_step, broadcast)
+        if record is not None and trainer.is_global_zero:
+            tuning = self._run.tuning and self.tune_validation
+            log_val_run(trainer, record, val_scalars(record, self.band, self._run.rebuilds), tuning=tuning)
+            if self.verbose >= VERBOSE_LINE:
+                say(trainer, val_line(record, tuning=tuning))
 
     @override
     def on_save_checkpoint(
@@ -440,10 +521,16 @@ class DataLoaderTuner(Callback):
         if self._probe.fetcher_missing:
             self._say_once(trainer, "no-fetcher", "DataLoaderTuner: cannot time fetches with this Lightning version.")
         stats = self._job_stats(trainer, pl_module)
+        val = self._run.val_history[-1] if self._run.val_history else None
+        budget = less_the_other_side(  # the validation loaders' own idle persistent workers hold memory
+            self._budget(trainer, pl_module),
+            getattr(self._run.datamodule, "_val_config", None),
+            None if val is None else val.stats.batch_bytes,
+        )
         record = self._run.close_window(
             config,
             stats,
-            self._budget(trainer, pl_module),
+            budget,
             trainer.current_epoch,
             trainer.global_step,
             end_batch,
@@ -496,7 +583,12 @@ class DataLoaderTuner(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._recommended, self.recommendation_path = conclude_fit(
-            trainer, self._run.history, self.settings.min_gain, self.recommendation_file, self.verbose
+            trainer,
+            self._run.history,
+            self.settings.min_gain,
+            self.recommendation_file,
+            self.verbose,
+            self._run.val_history,
         )
 
     # ------------------------------------------------------------------ logging

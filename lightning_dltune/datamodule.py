@@ -65,6 +65,9 @@ class TunableDataModule(LiveLoaders):
         iterable_shards_by_worker: an iterable train or val dataset splits its stream across workers,
             so the tuner may change the worker count. ``False`` (default): the worker count of a
             module with an iterable dataset stays as given; prefetch is still tuned.
+        val_num_workers: the validation loader's own initial workers; ``None``: it follows the
+            training config until the tuner gives it its own (from its own validation runs).
+        val_prefetch_factor: the validation loader's own initial prefetch; ``None``: as for workers.
 
     Raises:
         ValueError: for a negative ``num_workers``, ``batch_size < 1``, ``prefetch_factor < 1``, a
@@ -99,6 +102,8 @@ class TunableDataModule(LiveLoaders):
         shuffle: bool = True,
         loader_kwargs: Optional[dict[str, Any]] = None,
         iterable_shards_by_worker: bool = False,
+        val_num_workers: Optional[int] = None,
+        val_prefetch_factor: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -120,6 +125,15 @@ class TunableDataModule(LiveLoaders):
             persistent_workers=True if persistent_workers is None else persistent_workers,
         )
         self.iterable_shards_by_worker = iterable_shards_by_worker
+        validation.count("val_num_workers", val_num_workers, 0, optional=True)
+        validation.count("val_prefetch_factor", val_prefetch_factor, 1, optional=True)
+        self._val_config: Optional[LoaderConfig] = None
+        if val_num_workers is not None or val_prefetch_factor is not None:
+            self._val_config = self._loader_config.replace(
+                num_workers=num_workers if val_num_workers is None else val_num_workers,
+                prefetch_factor=prefetch_factor if val_prefetch_factor is None else val_prefetch_factor,
+            )
+        self._last_good_val: Optional[LoaderConfig] = None
         self._start_workers = num_workers
         self._pin_resolved = pin_memory is not None
         self._built: list[TunedDataLoader] = []
@@ -178,6 +192,8 @@ class TunableDataModule(LiveLoaders):
         else:
             on_cuda = torch.cuda.is_available()
         self._loader_config = self._loader_config.replace(pin_memory=on_cuda)
+        if self._val_config is not None:
+            self._val_config = self._val_config.replace(pin_memory=on_cuda)
         self._pin_resolved = trainer is not None
 
     # -- loaders --------------------------------------------------------------------------------
@@ -190,8 +206,8 @@ class TunableDataModule(LiveLoaders):
         return dict(self.loader_kwargs)
 
     def build_loader(self, dataset: Dataset, train: bool, **kwargs: Any) -> TunedDataLoader:
-        """A loader for ``dataset`` from the current config (``drop_last`` = ``train``)."""
-        config = self.loader_config
+        """A loader for ``dataset`` from the current config (``drop_last`` = ``train``; validation: its own config)."""
+        config = self.loader_config if train else self.val_config
         loader = build_loader(
             dataset,
             config,

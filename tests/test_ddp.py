@@ -53,7 +53,11 @@ def test_every_rank_applies_the_same_decision(ddp_run):
     assert rank0["history"] == rank1["history"]
     assert rank0["final_config"] == rank1["final_config"]
     assert rank0["history"][0]["next_workers"] > 0  # the starved job got workers
-    assert rank0["live_workers"] == rank1["live_workers"] == [rank0["final_config"]["num_workers"]] * 2
+    # the train loader runs the final config; the val loader may have got one of its own, alike on both ranks
+    assert (
+        rank0["live_workers"] == rank1["live_workers"]
+        and rank0["live_workers"][0] == rank0["final_config"]["num_workers"]
+    )
     # the rebuilt loaders are Lightning's own, with the DistributedSampler it injected
     assert rank0["train_sampler"] == rank1["train_sampler"] == "DistributedSampler"
 

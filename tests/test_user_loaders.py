@@ -19,7 +19,7 @@ import torch
 from fit_workloads import CountingIterable, SleepyDataset
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
-from user_projects import BATCH, TRAIN_LENGTH, VAL_LENGTH, ModuleLoaders, TaggedLoader, fit_shape, train_set
+from user_projects import BATCH, TRAIN_LENGTH, VAL_LENGTH, ModuleLoaders, TaggedLoader, fit_shape, train_set, val_set
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.loaders.adopt import AdoptedLoader, TimedWorkerInit, why_not_tunable
@@ -285,3 +285,28 @@ def test_every_train_loader_of_a_combined_loader_is_tuned(trainer_kwargs):
     trainer.fit(model)
     assert seen[0] == (0, 0) and seen[-1][0] > 0 and seen[-1][0] == seen[-1][1]
     assert sorted(model.train_indices[0]) == sorted(list(range(TRAIN_LENGTH)) * 2)  # each loader's samples once
+
+
+class _GreedyStart(ModuleLoaders):
+    def train_dataloader(self):
+        return DataLoader(train_set(), batch_size=BATCH, shuffle=True, num_workers=16, prefetch_factor=8)
+
+    def val_dataloader(self):
+        return DataLoader(val_set(), batch_size=BATCH, num_workers=16, prefetch_factor=8)
+
+
+@pytest.mark.slow
+def test_a_start_over_the_budget_is_clamped_before_any_worker_starts(trainer_kwargs, caplog):
+    seen = []
+
+    class Look(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(trainer.train_dataloader.num_workers)
+
+    trainer_kwargs = {**trainer_kwargs, "num_sanity_val_steps": 2}
+    trainer = pl.Trainer(max_epochs=1, callbacks=[_tuner(), Look()], limit_train_batches=20, **trainer_kwargs)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(_GreedyStart())
+    assert max(seen) <= 4  # max_workers=4: the 16 workers the project asked for never started
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[dltune] start: ")]
+    assert len(said) == 1 and "workers=16 prefetch=8" in said[0] and "exceeds the budget" in said[0]

@@ -9,6 +9,7 @@ import torch
 
 from lightning_dltune.control.resources import rank_budget
 from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.model import prefetch_bytes
 from lightning_dltune.core.policy import clamp_to_budget
 from lightning_dltune.core.records import Budget, PolicySettings
 
@@ -79,12 +80,32 @@ def clamp_datamodule_start(datamodule: Any, budget: Budget, settings: PolicySett
     if clamped == config:
         return None
     datamodule.set_loader_config(clamped)
+    return clamp_notice(config, datamodule.loader_config, budget, batch_bytes, settings)
+
+
+def clamp_notice(
+    config: LoaderConfig, clamped: LoaderConfig, budget: Budget, batch_bytes: Optional[int], settings: PolicySettings
+) -> str:
+    """What the console says when a start config was brought within the budget."""
     size = f"{batch_bytes / 2**20:.1f} MB" if batch_bytes else "unknown size"
     return (
         f"[dltune] start: {config.short()} exceeds the budget (at most {budget.max_workers} workers, prefetch"
         f" {settings.max_prefetch_factor}, memory for prefetched batches of {size}); starting with"
-        f" {datamodule.loader_config.short()}"
+        f" {clamped.short()}"
     )
+
+
+def less_the_other_side(budget: Budget, other: Optional[LoaderConfig], batch_bytes: Optional[int]) -> Budget:
+    """One side's budget (train or val) while the other side's persistent workers sit idle holding their batches.
+
+    Both pools count against memory and ``/dev/shm``; the CPUs are not shared out, since the idle side's
+    workers use none while the other side runs.
+    """
+    if other is None or not batch_bytes or not other.persistent_workers or other.num_workers == 0:
+        return budget
+    memory, shm = prefetch_bytes(other, batch_bytes)
+    less = lambda total, held: None if total is None else max(0.0, total - held)  # noqa: E731
+    return Budget(budget.max_workers, less(budget.memory_bytes, memory), less(budget.shm_bytes, shm), budget.cpus)
 
 
 def _or_inf(value: Optional[float]) -> float:

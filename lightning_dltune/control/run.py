@@ -57,11 +57,14 @@ class TuningRun:
         self.datamodule = datamodule
         self._tune = tune
         self.history: list[WindowRecord] = []
+        self.val_history: list[WindowRecord] = []  # one record per validation run (the val side's windows)
+        self.tune_validation = True  # False: the validation loaders follow the training config
         self.rebuilds = 0  # config changes in this fit
         self.worker_cap: Optional[int] = None  # lowered when a switch rolled back
         self.restored_config: Optional[LoaderConfig] = None  # from a checkpoint, applied at fit start
         self.on_rollback: Optional[FailureListener] = None  # also told when a switch rolls back
-        self.restored_positions: list[dict[str, Any]] = []  # a project's own train loaders' places in the epoch
+        self.restored_positions: list[dict[str, Any]] = []
+        self.restored_val_config: Optional[LoaderConfig] = None  # a project's own train loaders' places in the epoch
 
     @property
     def tuning(self) -> bool:
@@ -125,6 +128,44 @@ class TuningRun:
             self._apply(record, mid_epoch=end_batch is not None)
         return record
 
+    def close_val_run(
+        self,
+        config: LoaderConfig,
+        stats: WindowStats,
+        budget: Budget,
+        epoch: int,
+        global_step: int,
+        broadcast: Broadcast = _alone,
+    ) -> Optional[WindowRecord]:
+        """Judge a validation run of ``config``: the validation side's window, decided on its own history.
+
+        A changed config gives the validation loaders a config of their own from their next run on
+        (the training loaders keep theirs; with ``tune_validation`` off it is what the tuner would try).
+        ``None`` without a fetch to judge.
+        """
+        if stats.fetches == 0:
+            return None
+        decision = broadcast(decide(config, stats, budget, self.val_history, self.settings))
+        record = WindowRecord(
+            epoch,
+            config,
+            stats,
+            decision.verdict,
+            decision.reason,
+            decision.config,
+            None,
+            global_step,
+            decision.judged_util,
+        )
+        self.val_history.append(record)
+        if self.tuning and self.tune_validation:
+            assert self.datamodule is not None
+            self.datamodule.mark_val_config_good()
+            if record.changed:
+                self.rebuilds += 1
+                self.datamodule.switch_val_loaders(record.next_config, on_failure=self.rolled_back)
+        return record
+
     def running_config(self, record: WindowRecord) -> LoaderConfig:
         """The config the loaders run after ``record`` (a monitor's decision is only what it would try)."""
         return record.next_config if self.tuning else record.config
@@ -149,6 +190,8 @@ class TuningRun:
             self.datamodule.enable_rollback(self.rolled_back)
             if self.restored_config is not None:
                 self.datamodule.set_loader_config(self.restored_config)
+            if self.restored_val_config is not None:
+                self.datamodule.switch_val_loaders(self.restored_val_config)
 
     def start_epoch(self) -> None:
         """At an epoch start: the loaders built for the config the last window chose."""
@@ -166,6 +209,10 @@ class TuningRun:
         return self.datamodule.held_workers() if self.datamodule is not None else None
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def _val_config_state(self) -> Optional[dict[str, Any]]:
+        own = getattr(self.datamodule, "_val_config", None)
+        return own.as_dict() if own is not None else None
+
     def state_dict(self, current: Optional[LoaderConfig]) -> dict[str, Any]:
         """What a checkpoint keeps: the config to resume with (``current`` before any window), the history,
         the rebuild count, the worker cap after a failed switch, the next window's length and where a project's
@@ -178,6 +225,8 @@ class TuningRun:
             "config": current.as_dict() if current is not None else None,
             "rebuilds": self.rebuilds,
             "history": [record.to_dict() for record in self.history],
+            "val_history": [record.to_dict() for record in self.val_history],
+            "val_config": self._val_config_state(),
             "worker_cap": self.worker_cap,
             "next_window": self.windows.next_length,
         }
@@ -190,4 +239,7 @@ class TuningRun:
         self.worker_cap = state.get("worker_cap")
         self.windows.next_length = state.get("next_window", self.windows.next_length)
         self.history = [WindowRecord.from_dict(d) for d in state.get("history", [])]
+        self.val_history = [WindowRecord.from_dict(d) for d in state.get("val_history", [])]
+        val_config = state.get("val_config")
+        self.restored_val_config = LoaderConfig(**val_config) if val_config else None
         self.restored_positions = list(state.get("loader_positions", []))

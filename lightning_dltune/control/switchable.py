@@ -30,3 +30,9 @@ class SwitchableLoaders(Protocol):
 
     def switch_train_loaders(self, config: LoaderConfig, on_failure: Optional[FailureListener] = None) -> int:
         """Switch the live training loaders to ``config`` where they stand; the number switched."""
+
+    def switch_val_loaders(self, config: LoaderConfig, on_failure: Optional[FailureListener] = None) -> int:
+        """Give the validation loaders ``config`` of their own from their next run; the number switched."""
+
+    def mark_val_config_good(self) -> None:
+        """The validation config ran a validation: a later failure goes back to it."""

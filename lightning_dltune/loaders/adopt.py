@@ -141,6 +141,9 @@ class UserLoaders(LiveLoaders):
         self._start_workers: Optional[int] = None
         self._streams = False
         self._train_sample: Any = None  # (dataset, batch size) of the first training loader
+        # (start config, batch bytes, loaders holding batches) -> the config within the job's budget; set at fit start
+        self.clamp_start: Optional[Callable[..., LoaderConfig]] = None
+        self.clamped: Optional[tuple[LoaderConfig, LoaderConfig, Optional[int]]] = None  # (asked, started, bytes)
 
     @property
     def tunable(self) -> bool:
@@ -189,6 +192,18 @@ class UserLoaders(LiveLoaders):
             if self._loader_config is None:  # no workers yet: persistent ones once the tuner adds some
                 own = loader_config_of(loader)
                 self._loader_config = own if own.num_workers else own.replace(persistent_workers=True)
+                self._clamp(own)
+
+    def _clamp(self, own: LoaderConfig) -> None:
+        """A start over the job's budget (16 workers on 8 CPUs) is brought within it before any worker starts."""
+        if self.clamp_start is None or self._loader_config is None or not own.num_workers:
+            return
+        batch_bytes = self.estimate_batch_bytes()
+        loaders = 2 if own.persistent_workers and self._requests[VAL] else 1  # persistent val workers hold batches too
+        clamped = self.clamp_start(self._loader_config, batch_bytes=batch_bytes, loaders=loaders)
+        if clamped != self._loader_config:
+            self.clamped = (self._loader_config, clamped, batch_bytes)
+            self._loader_config = clamped
 
     def prepare(self, loader: AdoptedLoader) -> None:
         """At a loader's first ``iter()``: time its batches, give it the fit's config, resume a training position."""
@@ -205,7 +220,13 @@ class UserLoaders(LiveLoaders):
             loader.loop_position = self._loop_position
             if self.resume_positions:
                 loader.resume_at(self.resume_positions.pop(0))
-        config = self._loader_config
+        config = self._loader_config if loader.role == TRAIN else self.val_config
+        if config is None and self.clamp_start is not None and loader.num_workers:
+            # a validation loader before any training one (the sanity check): its own start, within the budget
+            own = loader_config_of(loader)
+            config = self.clamp_start(own, batch_bytes=None, loaders=1)
+            if config == own:
+                return
         if config is None:
             return
         fallback = self._fallback_for(config)

@@ -36,13 +36,17 @@ def runs_with(loader: DataLoader, config: LoaderConfig) -> bool:
 class LiveLoaders:
     """The config of a fit's train and val loaders, and the switches that bring the live loaders to it.
 
-    A subclass sets ``_loader_config``, ``_last_good_config = None`` and ``_on_failure = None`` and
-    provides :meth:`live_loaders` and :meth:`held_workers`.
+    The validation loaders follow the training loaders' config until :meth:`switch_val_loaders` gives
+    them one of their own (a validation step is shorter than a training step: it may starve where
+    training does not). A subclass sets ``_loader_config``, ``_last_good_config = None`` and
+    ``_on_failure = None`` and provides :meth:`live_loaders` and :meth:`held_workers`.
     """
 
     _loader_config: Optional[LoaderConfig]
     _last_good_config: Optional[LoaderConfig]
     _on_failure: Optional[FailureListener]
+    _val_config: Optional[LoaderConfig] = None  # the validation loaders' own config; None: the training one
+    _last_good_val: Optional[LoaderConfig] = None
     owner_name = "the loaders"  # in warnings: whose loaders went back
 
     # -- what a subclass provides ----------------------------------------------------------------
@@ -54,6 +58,24 @@ class LiveLoaders:
         """The loaders of the fit loop (tunable or not)."""
         trainer = getattr(self, "trainer", None)
         return flatten_loaders(trainer.train_dataloader) if trainer is not None else []
+
+    def val_loaders(self) -> list[TunedLoader]:
+        """The tunable validation loaders Lightning currently iterates."""
+        trainer = getattr(self, "trainer", None)
+        found = flatten_loaders(trainer.val_dataloaders) if trainer is not None else []
+        return [dl for dl in found if isinstance(dl, TunedLoader)]
+
+    @property
+    def val_config(self) -> Optional[LoaderConfig]:
+        """The validation loaders' config: their own once the tuner gave them one, else the training one."""
+        self._resolve_config()
+        return self._val_config if self._val_config is not None else self._loader_config
+
+    def _target_of(self, loader: DataLoader) -> Optional[LoaderConfig]:
+        """The config ``loader`` should run: the validation config for a validation loader."""
+        if self._val_config is not None and any(loader is v for v in self.val_loaders()):
+            return self._val_config
+        return self._loader_config
 
     def held_workers(self) -> Optional[int]:
         """The worker count the loaders must keep (an iterable dataset that may not shard), or ``None``."""
@@ -104,17 +126,16 @@ class LiveLoaders:
         if on_failure is not None or self._on_failure is None:
             self.enable_rollback(on_failure)
         self._resolve_config()
-        target = self._loader_config
-        if target is None:
+        if self._loader_config is None:
             return 0
         rebuilt = 0
         for loader in self.live_loaders():
-            if runs_with(loader, target):
+            target = self._target_of(loader)
+            if target is None or runs_with(loader, target):
                 continue
+            good = self._last_good_val if target is self._val_config else self._last_good_config
             # a loader's own config forgets persistence at 0 workers: keep the chosen one
-            fallback = self._last_good_config or loader_config_of(loader).replace(
-                persistent_workers=target.persistent_workers
-            )
+            fallback = good or loader_config_of(loader).replace(persistent_workers=target.persistent_workers)
             self._start_switch(loader, target, fallback if fallback != target else None, pending=False)
             rebuilt += 1
         return rebuilt
@@ -136,17 +157,43 @@ class LiveLoaders:
         train = self.train_loaders()
         switched = 0
         for loader in self.live_loaders():
+            if self._target_of(loader) is not config:
+                continue  # a validation loader with a config of its own
             if not runs_with(loader, config):
                 self._start_switch(loader, config, self._last_good_config or previous, pending=True)
                 switched += any(loader is t for t in train)
         return switched
 
+    def switch_val_loaders(self, config: LoaderConfig, on_failure: Optional[FailureListener] = None) -> int:
+        """Give the validation loaders ``config`` of their own, from their next run on; returns how many switch.
+
+        Until its new workers have delivered a few windows' worth of batches, a validation loader that
+        fails goes back to the last validation config that delivered (every sample once per run).
+        """
+        if on_failure is not None or self._on_failure is None:
+            self.enable_rollback(on_failure)
+        previous = self.val_config
+        held = self.held_workers()
+        self._val_config = config if held is None else config.replace(num_workers=held)
+        switched = 0
+        for loader in self.val_loaders():
+            if not runs_with(loader, self._val_config):
+                self._start_switch(loader, self._val_config, self._last_good_val or previous, pending=True)
+                switched += 1
+        return switched
+
+    def mark_val_config_good(self) -> None:
+        """The validation config ran a validation: it is what a failed validation switch goes back to."""
+        self._last_good_val = self.val_config
+
     def _fallback_for(self, config: LoaderConfig) -> Optional[LoaderConfig]:
         """What a loader starting with ``config`` goes back to if its machinery fails (``None``: nothing)."""
-        if self._on_failure is None or config == self._last_good_config:
+        own_val = self._val_config is not None and config is self._val_config
+        good = self._last_good_val if own_val else self._last_good_config
+        if self._on_failure is None or config == good:
             return None
-        if self._last_good_config is not None:
-            return self._last_good_config
+        if good is not None:
+            return good
         if config.num_workers == 0 or self.held_workers() is not None:
             return None
         return config.replace(num_workers=0)  # the start config: loading in the training process always works
@@ -165,16 +212,27 @@ class LiveLoaders:
         )
 
     def _confirmed(self, switch: LoaderSwitch) -> None:
-        if switch.target == self._loader_config:
+        if self._val_config is not None and switch.target == self._val_config:
+            self._last_good_val = switch.target
+        elif switch.target == self._loader_config:
             self._last_good_config = switch.target
 
     def _rolled_back(self, switch: LoaderSwitch, exc: BaseException) -> None:
-        """One loader went back: so do the config and every other live loader (train and val)."""
+        """One loader went back: so do its side's config and that side's other live loaders.
+
+        The sides are the training loaders (with the validation loaders while they follow them) and
+        the validation loaders once they run a config of their own.
+        """
         restored = switch.fallback
         assert restored is not None
-        self._loader_config = restored
-        self._last_good_config = restored
-        for loader in self.live_loaders():
+        own_val = self._val_config is not None and any(switch.loader is v for v in self.val_loaders())
+        if own_val:
+            self._val_config = self._last_good_val = restored
+            side = self.val_loaders()
+        else:
+            self._loader_config = self._last_good_config = restored
+            side = [dl for dl in self.live_loaders() if self._target_of(dl) is self._loader_config]
+        for loader in side:
             if loader is not switch.loader and (loader.switch is not None or not runs_with(loader, restored)):
                 self._start_switch(loader, restored, None, pending=True)  # drains cleanly if mid-epoch
         listener = self._on_failure or self._warn_rollback

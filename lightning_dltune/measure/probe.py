@@ -47,9 +47,12 @@ class WindowProbe:
     Args:
         stall_threshold_s: for loaders that cannot report their queue, a fetch waiting longer than
             this is a stall.
+        validation: measure the validation loaders (one window per validation run) instead of the
+            training ones; only loaders that report their fetches themselves are measured there.
     """
 
-    def __init__(self, stall_threshold_s: float) -> None:
+    def __init__(self, stall_threshold_s: float, validation: bool = False) -> None:
+        self.validation = validation
         self.meter = WindowMeter(stall_threshold_s=stall_threshold_s)
         self.sampler: Optional[UtilizationSampler] = None
         self.config: Optional[LoaderConfig] = None  # the config the window runs
@@ -91,9 +94,10 @@ class WindowProbe:
         The config is the datamodule's where there is one (it knows what it rebuilt), else the first
         train loader's. The datamodule also estimates a batch's bytes where no batch reaches the hooks.
         """
-        self._loaders = flatten_loaders(trainer.train_dataloader)
+        self._loaders = flatten_loaders(trainer.val_dataloaders if self.validation else trainer.train_dataloader)
         plain = [dl for dl in self._loaders if isinstance(dl, DataLoader)]
-        config: Optional[LoaderConfig] = datamodule.loader_config if datamodule is not None else None
+        owner = "val_config" if self.validation else "loader_config"
+        config: Optional[LoaderConfig] = getattr(datamodule, owner, None) if datamodule is not None else None
         if config is None:
             config = loader_config_of(plain[0]) if plain else (LoaderConfig() if self._loaders else None)
         tuned = [dl for dl in self._loaders if isinstance(dl, TunedLoader)]
@@ -103,7 +107,8 @@ class WindowProbe:
             loader.fetch_recorder = self.meter
         # a step takes a batch of each train loader (unless Lightning combines them sequentially); with
         # our loaders each reports its own fetch, plain ones are timed together around the combined fetch
-        self._parts = fetches_per_step(trainer, len(self._loaders))
+        # validation runs its loaders one after another: one fetch per step
+        self._parts = 1 if self.validation else fetches_per_step(trainer, len(self._loaders))
         self._per_step = self._parts if self.tuned_loaders else 1
         self._bytes_hint = datamodule.estimate_batch_bytes if datamodule is not None else None
         self._first = True
@@ -152,7 +157,7 @@ class WindowProbe:
                 self._batch_bytes = self._bytes_hint()
         else:
             self._batch_size, self._batch_bytes = step_size_and_bytes(batch, self._parts)
-        if not self.tuned_loaders:  # the loaders cannot report start-up and fetches themselves
+        if not self.tuned_loaders and not self.validation:  # the loaders cannot report themselves
             self.meter.record_startup(now - self._wall0)
             self.fetcher_missing = not time_fit_loop_fetches(trainer, self.meter)
 

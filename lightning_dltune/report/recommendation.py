@@ -21,10 +21,12 @@ from lightning_dltune.core.records import WindowRecord
 from lightning_dltune.measure.lightning_internals import loader_owner
 from lightning_dltune.report.console import say
 from lightning_dltune.report.timeline import fit_timeline
+from lightning_dltune.report.validation import val_table
 from lightning_dltune.report.words import VERBOSE_LINE, summary_table
 
 RECOMMENDATION_FILE = "dltune_recommendation.yaml"
 _SETTINGS = tuple(field.name for field in dataclasses.fields(LoaderConfig))
+_VAL_SETTINGS = ("val_num_workers", "val_prefetch_factor")  # TunableDataModule's own validation config
 
 
 class Target(NamedTuple):
@@ -33,6 +35,7 @@ class Target(NamedTuple):
     section: str  # "data" or "model"
     keys: tuple[str, ...]  # the loader settings its constructor takes; () when none
     owner: str  # the owner in words, e.g. "the LightningModule (Model)"
+    val_keys: tuple[str, ...] = ()  # the validation loader's own settings its constructor takes
 
 
 def target_of(trainer: Any) -> Target:
@@ -50,15 +53,16 @@ def target_of(trainer: Any) -> Target:
     from lightning_dltune.datamodule import TunableDataModule  # its subclasses take them through **kwargs
 
     keys = _SETTINGS if isinstance(owner, TunableDataModule) else _named_arguments(type(owner))
-    return Target(section, keys if "num_workers" in keys else (), f"{kind} ({type(owner).__name__})")
+    val_keys = _VAL_SETTINGS if isinstance(owner, TunableDataModule) else _named_arguments(type(owner), _VAL_SETTINGS)
+    return Target(section, keys if "num_workers" in keys else (), f"{kind} ({type(owner).__name__})", val_keys)
 
 
-def _named_arguments(cls: type) -> tuple[str, ...]:
+def _named_arguments(cls: type, settings: Sequence[str] = _SETTINGS) -> tuple[str, ...]:
     try:
         parameters = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
         return ()
-    return tuple(name for name in _SETTINGS if name in parameters)
+    return tuple(name for name in settings if name in parameters)
 
 
 def _as_arguments(config: LoaderConfig, keys: Sequence[str]) -> str:
@@ -78,6 +82,7 @@ def recommendation_yaml(
     path: str = RECOMMENDATION_FILE,
     section: str = "data",
     keys: Sequence[str] = _SETTINGS,
+    extra: Optional[dict[str, Any]] = None,
 ) -> str:
     """A LightningCLI config fragment: ``--config`` it after your own config to use the recommendation.
 
@@ -92,22 +97,33 @@ def recommendation_yaml(
         header += f"# {note}\n"
     values = config.as_dict()
     body = {section: {key: values[key] for key in keys}}
+    body[section].update(extra or {})
     return header + yaml.safe_dump(body, sort_keys=False)
 
 
 def write_recommendation(
-    directory: str, config: LoaderConfig, note: str = "", section: str = "data", keys: Sequence[str] = _SETTINGS
+    directory: str,
+    config: LoaderConfig,
+    note: str = "",
+    section: str = "data",
+    keys: Sequence[str] = _SETTINGS,
+    extra: Optional[dict[str, Any]] = None,
 ) -> str:
     """Write :func:`recommendation_yaml` to ``directory/dltune_recommendation.yaml``; returns its path."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, RECOMMENDATION_FILE)
     with open(path, "w", encoding="utf-8") as f:
-        f.write(recommendation_yaml(config, note, path, section, keys))
+        f.write(recommendation_yaml(config, note, path, section, keys, extra))
     return path
 
 
 def conclude_fit(
-    trainer: Any, history: Sequence[WindowRecord], min_gain: float, write_file: bool, verbose: int
+    trainer: Any,
+    history: Sequence[WindowRecord],
+    min_gain: float,
+    write_file: bool,
+    verbose: int,
+    val_history: Sequence[WindowRecord] = (),
 ) -> tuple[Optional[LoaderConfig], Optional[str]]:
     """At the end of a fit: the recommended config and, on rank zero, the table, the fragment's file and
     the timeline picture (:mod:`~lightning_dltune.report.timeline`; drawn with or without a recommendation).
@@ -123,26 +139,70 @@ def conclude_fit(
         return (None if best is None else best.config), None
     path = None
     if best is not None:
-        path = _say_recommendation(trainer, history, best, directory if write_file else None, verbose)
+        val = _val_recommendation(best, val_history, min_gain)
+        path = _say_recommendation(trainer, history, best, directory if write_file else None, verbose, val)
+    if val_history and verbose >= VERBOSE_LINE:
+        say(trainer, val_table(val_history))
     if directory and history:
         fit_timeline(trainer, history, directory, verbose)
     return (None if best is None else best.config), path
 
 
+def _val_recommendation(
+    best: WindowRecord, val_history: Sequence[WindowRecord], min_gain: float
+) -> Optional[WindowRecord]:
+    """The validation runs' own recommendation, where it differs from the training one (else ``None``)."""
+    val = recommend(val_history, min_gain)
+    if val is None:
+        return None
+    same = (val.config.num_workers, val.config.prefetch_factor) == (
+        best.config.num_workers,
+        best.config.prefetch_factor,
+    )
+    return None if same else val
+
+
 def _say_recommendation(
-    trainer: Any, history: Sequence[WindowRecord], best: WindowRecord, directory: Optional[str], verbose: int
+    trainer: Any,
+    history: Sequence[WindowRecord],
+    best: WindowRecord,
+    directory: Optional[str],
+    verbose: int,
+    val: Optional[WindowRecord] = None,
 ) -> Optional[str]:
-    """The table, the fragment's file in ``directory`` (``None``: no file) and how to apply it; the file's path."""
+    """The table, the fragment's file in ``directory`` (``None``: no file) and how to apply it; the file's path.
+
+    ``val``: the validation loaders' own recommendation, carried by the fragment where the owner takes it.
+    """
     if verbose >= VERBOSE_LINE:
         say(trainer, summary_table(history, best))
     target = target_of(trainer)
+    extra = None
+    if val is not None and target.val_keys:
+        values = {"val_num_workers": val.config.num_workers, "val_prefetch_factor": val.config.prefetch_factor}
+        extra = {key: values[key] for key in target.val_keys}
     path = None
     if directory and target.keys:
         note = f"measured {best.samples_per_s:,.0f} samples/s, the median of its windows ({best.verdict})"
-        path = write_recommendation(directory, best.config, note, target.section, target.keys)
+        path = write_recommendation(directory, best.config, note, target.section, target.keys, extra)
     if verbose >= VERBOSE_LINE:
         say(trainer, _how_to_apply(best.config, target, path))
+        if val is not None:
+            say(trainer, _how_to_apply_val(val, target, path is not None and extra is not None))
     return path
+
+
+def _how_to_apply_val(val: WindowRecord, target: Target, in_file: bool) -> str:
+    """The validation loaders' own recommendation in words: in the file, or the DataLoader arguments to set."""
+    text = (
+        f"[dltune] validation loaders: recommended {val.config.short()} ({val.samples_per_s:,.0f} samples/s,"
+        f" its median run: step {val.step})"
+    )
+    if in_file:
+        return text + f"; in the file as {', '.join(target.val_keys)}"
+    where = f"of {target.owner}" if target.section else "passed to fit()"
+    values = f"num_workers={val.config.num_workers}, prefetch_factor={val.config.prefetch_factor}"
+    return text + f"; set {values} on the validation DataLoader {where}"
 
 
 def _how_to_apply(config: LoaderConfig, target: Target, path: Optional[str]) -> str:

@@ -1,0 +1,82 @@
+"""What the tuner says about validation runs: the ``dltune/val/*`` scalars, the console line, the table.
+
+A validation run is the validation side's window: its loaders are measured from
+``on_validation_batch_start`` to ``on_validation_batch_end`` (sanity checking left out) and judged on
+their own history, so the validation loaders get a config of their own where they starve and training
+does not.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Sequence
+
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_dltune.core.records import WindowRecord
+from lightning_dltune.report.metrics import lightning_step, window_scalars
+from lightning_dltune.report.tensorboard import PREFIX
+from lightning_dltune.report.words import config_change, console_text, decision_markdown
+
+VAL_PREFIX = PREFIX + "val/"
+VAL_DECISION_TAG = VAL_PREFIX + "decision"
+# the training side's chart helpers, not measurements of a validation run
+_NOT_VAL = ("band_low", "band_high", "rebuilds", "util_from_nvml", "util_from_samples", "gpu_util", "gpu_util_judged")
+
+
+def val_scalars(record: WindowRecord, band: tuple[float, float], rebuilds: int) -> dict[str, float]:
+    """One validation run's scalars as ``dltune/val/<name>`` (the training names, less the GPU and band ones)."""
+    scalars = {}
+    for key, value in window_scalars(record, band, rebuilds).items():
+        name = key[len(PREFIX) :] if key.startswith(PREFIX) else None
+        if name is not None and "/" not in name and name not in _NOT_VAL:
+            scalars[VAL_PREFIX + name] = value
+    return scalars
+
+
+def log_val_run(trainer: Any, record: WindowRecord, scalars: dict[str, float], tuning: bool) -> None:
+    """A validation run's scalars to every logger at the step it ended, and its decision as TensorBoard text."""
+    x = lightning_step(trainer.global_step if record.step is None else record.step)
+    for logger in trainer.loggers:
+        logger.log_metrics(scalars, step=x)
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_text(VAL_DECISION_TAG, decision_markdown(record, tuning), x)
+
+
+def val_line(record: WindowRecord, tuning: bool) -> str:
+    """``[dltune] validation at step 120 | workers 0 -> 2, prefetch 2 | starved 60% | data-bound (I/O)``."""
+    change = "" if tuning or not record.changed else " (would try)"
+    return (
+        f"[dltune] validation at step {record.step} | {config_change(record)}{change}"
+        f" | starved {record.stats.starvation_ratio:.0%} | {record.verdict}"
+    )
+
+
+def val_table(history: Sequence[WindowRecord]) -> str:
+    """The end-of-fit table of the validation runs, one row per run."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title="lightning-dltune: validation loaders", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False
+    )
+    columns = ("step", "epoch", "batches", "workers", "prefetch", "starved", "step ms", "samples/s", "verdict")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "verdict" else "right")
+    for r in history:
+        s = r.stats
+        table.add_row(
+            str(r.step),
+            str(r.epoch),
+            str(s.batches),
+            str(r.config.num_workers),
+            str(r.config.prefetch_factor),
+            f"{s.starvation_ratio:.0%}",
+            f"{1e3 * s.step_mean_s:,.1f}",
+            f"{s.samples_per_s:,.0f}",
+            str(r.verdict),
+        )
+    buffer = io.StringIO()
+    Console(file=buffer, width=120, force_terminal=False, color_system=None).print(table)
+    return console_text(buffer)
