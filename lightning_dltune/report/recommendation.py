@@ -144,7 +144,7 @@ def conclude_fit(
     if val_history and verbose >= VERBOSE_LINE:
         say(trainer, val_table(val_history))
     if directory and history:
-        fit_timeline(trainer, history, directory, verbose)
+        fit_timeline(trainer, history, directory, verbose, val_history)
     return (None if best is None else best.config), path
 
 

@@ -22,6 +22,7 @@ from lightning_dltune.core.records import PolicySettings, Verdict, WindowRecord
 from lightning_dltune.report.console import say
 from lightning_dltune.report.metrics import lightning_step, window_scalars
 from lightning_dltune.report.tensorboard import tag, utilization_title
+from lightning_dltune.report.validation import val_scalars
 from lightning_dltune.report.words import VERBOSE_LINE, decision_markdown
 
 TIMELINE_FILE = "dltune_timeline.png"
@@ -68,8 +69,15 @@ class DecisionMark(NamedTuple):
     tried: bool  # the change was only what the tuner would try (monitoring, no rebuild)
 
 
-def timeline_of(history: Sequence[WindowRecord], band: tuple[float, float], tuning: bool, title: str) -> Timeline:
-    """The :class:`Timeline` of a fit's windows: the scalars and texts its loggers were given, at their x."""
+def timeline_of(
+    history: Sequence[WindowRecord],
+    band: tuple[float, float],
+    tuning: bool,
+    title: str,
+    val_history: Sequence[WindowRecord] = (),
+) -> Timeline:
+    """The :class:`Timeline` of a fit's windows (and validation runs): the scalars and texts its loggers were
+    given, at their x."""
     scalars: dict[str, list[tuple[int, float]]] = defaultdict(list)
     decisions = []
     rebuilds, x = 0, -1
@@ -79,6 +87,9 @@ def timeline_of(history: Sequence[WindowRecord], band: tuple[float, float], tuni
         for name, value in window_scalars(record, band, rebuilds).items():
             scalars[name].append((x, value))
         decisions.append((x, decision_markdown(record, tuning)))
+    for record in val_history:
+        for name, value in val_scalars(record, band, rebuilds).items():
+            scalars[name].append((lightning_step(record.step or 0), value))
     return Timeline(dict(scalars), decisions, title)
 
 
@@ -290,6 +301,9 @@ def _starvation_panel(ax: Any, timeline: Timeline) -> None:
     _window_line(ax, timeline, "starvation_ratio", "tab:red")
     x, values = timeline.series("starvation_ratio")
     ax.fill_between(x, values, color="tab:red", alpha=0.1, linewidth=0)
+    val_x, val_values = timeline.series("val/starvation_ratio")
+    if val_x:  # the validation runs, each the validation side's window
+        ax.plot(val_x, val_values, color="tab:purple", marker="s", markersize=4, linewidth=1.2, label="validation run")
     _fraction_axis(ax, "starvation")
     ax.set_title("starvation ratio: share of the loop spent waiting for data", loc="left", fontsize=10)
     _legend(ax)
@@ -323,8 +337,11 @@ def _config_panel(ax: Any, timeline: Timeline) -> None:
     for name, colour, style, width, label in (
         ("num_workers", "tab:brown", "-", 2.4, "num_workers"),
         ("prefetch_factor", "tab:gray", "--", 1.5, "prefetch_factor"),
+        ("val/num_workers", "tab:purple", ":", 2.0, "validation num_workers"),
     ):
         x, values = config_steps(*timeline.series(name))
+        if not x:
+            continue  # no validation runs measured
         ax.plot(x, values, drawstyle="steps-post", color=colour, linestyle=style, linewidth=width, label=label)
         top = max([top, *values])
     ax.set_ylim(-0.4, top + 0.8)
@@ -341,7 +358,13 @@ def save_timeline(figure: Any, path: str) -> str:
     return path
 
 
-def fit_timeline(trainer: Any, history: Sequence[WindowRecord], directory: str, verbose: int) -> Optional[str]:
+def fit_timeline(
+    trainer: Any,
+    history: Sequence[WindowRecord],
+    directory: str,
+    verbose: int,
+    val_history: Sequence[WindowRecord] = (),
+) -> Optional[str]:
     """At the end of a fit, on rank zero: the picture in ``directory`` and in TensorBoard's Images tab.
 
     Without matplotlib the console says once where to get it. A failure to draw is a warning, never an
@@ -353,7 +376,8 @@ def fit_timeline(trainer: Any, history: Sequence[WindowRecord], directory: str, 
         return None
     band, tuning = _tuner_settings(trainer)
     try:
-        figure = draw_timeline(timeline_of(history, band, tuning, f"dltune timeline: {run_label(directory)}"))
+        title = f"dltune timeline: {run_label(directory)}"
+        figure = draw_timeline(timeline_of(history, band, tuning, title, val_history))
         path = save_timeline(figure, os.path.join(directory, TIMELINE_FILE))
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
