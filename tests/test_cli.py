@@ -252,7 +252,7 @@ def test_tensorboard_server_shows_the_dltune_panels(demo):
             time.sleep(0.5)
         assert layout, "tensorboard served no custom-scalars layout"
         assert [c["title"] for c in layout["category"]][:2] == ["dltune: headline", "dltune: detail"]
-        assert layout["category"][0]["chart"][0]["title"].startswith("GPU busy (estimate")
+        assert layout["category"][0]["chart"][-1]["title"].startswith("GPU busy (estimate")  # shown first
         run = "demo/version_0"  # the demo's own run (other tests add runs beside it)
         run_tags = tags[run]
         for name in ("dltune/starvation_ratio", "dltune/gpu_util", "dltune/fetch_wait_ms", "dltune/num_workers"):

@@ -328,6 +328,12 @@ def time_worker_fetches(record: Callable[[float, float], None]) -> None:
         cls.fetch = timed
 
 
+def write_summary(writer: Any, summary: Any) -> None:
+    """A summary proto into a torch ``SummaryWriter``'s event file (``_get_file_writer()``, as its own
+    ``add_custom_scalars`` does; that one takes a single series per margin chart)."""
+    writer._get_file_writer().add_summary(summary)
+
+
 def check_torch_internals() -> None:
     """Raise :class:`RuntimeError` naming what is missing if this torch lacks what this module uses."""
     missing = []
@@ -348,6 +354,10 @@ def check_torch_internals() -> None:
             missing.append(f"torch.utils.data._utils.signal_handling.{name}")
     fetchers = ((n, getattr(_fetch, n, None)) for n in _FETCHERS)
     missing.extend(f"torch.utils.data._utils.fetch.{n}.fetch" for n, c in fetchers if "fetch" not in vars(c or object))
+    from torch.utils.tensorboard import SummaryWriter
+
+    if not callable(getattr(SummaryWriter, "_get_file_writer", None)):
+        missing.append("torch.utils.tensorboard.SummaryWriter._get_file_writer")
     for path in _MACHINERY_FILES:
         if not os.path.exists(path):
             missing.append(path)

@@ -2,23 +2,42 @@
 
 :func:`log_window` and :func:`log_interval` hand them to every logger of the trainer (rank zero calls them),
 at the x Lightning itself logs that batch's metrics at (:func:`lightning_step`); :func:`add_panels` gives
-TensorBoard the layout that charts them.
+TensorBoard the layout that charts them, and TensorBoard alone also gets the series those charts draw
+(``dltune_panels/*``, :func:`panel_scalars`: each window's values at its first and last step, and the axis
+constants), so that the charts are true at TensorBoard's default settings.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_dltune.core.records import WindowRecord
 from lightning_dltune.core.stats import UtilSource
+from lightning_dltune.loaders.torch_internals import write_summary
 from lightning_dltune.measure.meter import WindowMeter
-from lightning_dltune.report.tensorboard import RECENT, custom_scalars_layout, tag
+from lightning_dltune.report.tensorboard import (
+    ONE,
+    PANEL_NAMES,
+    RECENT,
+    RECENT_ONE,
+    RECENT_PEAKS,
+    RECENT_ZERO,
+    ZERO,
+    custom_scalars_layout,
+    layout_summary,
+    panel_tag,
+    peak_tag,
+    tag,
+)
 from lightning_dltune.report.words import decision_markdown
 
 DECISION_TAG = tag("decision")
 """Each window's decision, as TensorBoard text (``decision_markdown``)."""
+
+_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TensorBoard writer -> highest recent values
 
 
 def window_scalars(
@@ -83,25 +102,70 @@ def lightning_step(global_step: int) -> int:
     return max(global_step - 1, 0)
 
 
+def window_span(trainer: Any, record: WindowRecord) -> tuple[int, int]:
+    """The x of a window's first and last batch (:func:`lightning_step`), both inclusive.
+
+    The first is counted back from the last by the window's measured batches (in optimizer steps, under
+    gradient accumulation): never before the true first, so never before an earlier window's last point
+    (TensorBoard keeps a tag's points only while their steps increase).
+    """
+    last = lightning_step(trainer.global_step if record.step is None else record.step)
+    steps = record.stats.batches // max(1, trainer.accumulate_grad_batches)
+    return max(last - max(steps, 1) + 1, 0), last
+
+
+def panel_scalars(scalars: dict[str, float]) -> dict[str, float]:
+    """A window's scalars as the panels draw them (``dltune_panels/<name>``, :data:`PANEL_NAMES`) and 0 and 1."""
+    drawn = {panel_tag(name): scalars[tag(name)] for name in PANEL_NAMES if tag(name) in scalars}
+    return {**drawn, ZERO: 0.0, ONE: 1.0}
+
+
 def log_window(trainer: Any, record: WindowRecord, scalars: dict[str, float], tuning: bool) -> None:
-    """A window's scalars to every logger at the step it closed, and its decision as TensorBoard text."""
-    x = lightning_step(trainer.global_step if record.step is None else record.step)
+    """A window's scalars to every logger at the step it closed, and its decision as TensorBoard text.
+
+    A TensorBoard logger also gets :func:`panel_scalars` at the window's first and last step
+    (:func:`window_span`): drawn through both, a value is flat over the steps it held.
+    """
+    first, x = window_span(trainer, record)
     for logger in trainer.loggers:
         logger.log_metrics(scalars, step=x)
         if isinstance(logger, TensorBoardLogger):
+            for step in sorted({first, x}):
+                logger.log_metrics(panel_scalars(scalars), step=step)
             logger.experiment.add_text(DECISION_TAG, decision_markdown(record, tuning), x)
 
 
 def log_interval(trainer: Any, meter: WindowMeter, samples_per_step: int) -> None:
-    """The last steps' scalars to every logger, beside Lightning's own ``log_every_n_steps`` points."""
+    """The last steps' scalars to every logger, beside Lightning's own ``log_every_n_steps`` points.
+
+    A TensorBoard logger also gets, at the same x, what the recent charts draw besides: 0 and 1, which pin
+    their axes, and :func:`recent_peaks`.
+    """
     scalars = interval_scalars(meter, samples_per_step)
     x = lightning_step(trainer.global_step)
     for logger in trainer.loggers:
         logger.log_metrics(scalars, step=x)
+        if isinstance(logger, TensorBoardLogger):
+            axis = {RECENT_ZERO: 0.0, RECENT_ONE: 1.0}
+            logger.log_metrics({**axis, **recent_peaks(logger.experiment, scalars)}, step=x)
+
+
+def recent_peaks(writer: Any, scalars: dict[str, float]) -> dict[str, float]:
+    """The highest of each :data:`RECENT_PEAKS` series ``writer`` was given so far, ``scalars`` included."""
+    peaks = _PEAKS.setdefault(writer, {})
+    for name in RECENT_PEAKS:
+        value = scalars[tag(RECENT + name)]
+        peaks[name] = max(peaks.get(name, value), value)
+    return {peak_tag(name): peaks[name] for name in RECENT_PEAKS}
 
 
 def add_panels(trainer: Any, estimate: bool, recent: bool) -> None:
-    """The ``dltune`` custom-scalars layout to every TensorBoard logger (see :func:`custom_scalars_layout`)."""
+    """The ``dltune`` custom-scalars layout to every TensorBoard logger (see :func:`custom_scalars_layout`).
+
+    Written as the summary itself, into the writer's event file as torch's own ``add_custom_scalars`` writes
+    its layouts (that method takes one series per margin chart; these charts have several).
+    """
+    summary = layout_summary(custom_scalars_layout(estimate, recent))
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_custom_scalars(custom_scalars_layout(estimate, recent))
+            write_summary(logger.experiment, summary)
