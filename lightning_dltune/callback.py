@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from functools import partial
 from typing import Any, Callable, Optional, Union
@@ -22,6 +23,7 @@ from lightning_dltune.control.budgets import (
 from lightning_dltune.control.handoff import SpawnHandoff
 from lightning_dltune.control.resources import MEMORY_FRACTION, SHM_FRACTION
 from lightning_dltune.control.run import TuningRun
+from lightning_dltune.control.start_cache import Fingerprint, StartCache, fingerprint
 from lightning_dltune.core import validation
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
@@ -92,7 +94,8 @@ class DataLoaderTuner(Callback):
 
     Logged per window under ``dltune/``, at the step where the window closed, on the x Lightning logs
     that batch's own metrics at (TensorBoard gets ready ``dltune: headline`` and ``dltune: detail``
-    custom-scalars sections; any other Lightning logger gets the same scalars):
+    custom-scalars sections; TensorBoard alone also gets ``dltune_panels/*``, the series those charts draw
+    (each window over its steps, axis constants); any other Lightning logger gets the same scalars):
 
     - ``starvation_ratio``: Σ fetch wait / Σ (fetch wait + step time), of the most starved rank (its
       waits and step times are the job's: the others wait for it at the gradient all-reduce).
@@ -160,6 +163,13 @@ class DataLoaderTuner(Callback):
         tune_validation: give the validation loaders a config of their own, decided from their own
             validation runs (each run is the validation side's window). ``False``: they follow the
             training loaders' config; their runs are still measured and logged.
+        start_tuned: start the training loaders from the last recommendation saved for the same machine
+            (usable CPUs, memory, world size) and data (dataset class and length, batch bytes, batch
+            size), and save this fit's recommendation for the next one. The tuner still measures and may
+            move from there; the console says when a saved start is used or does not fit this machine.
+            Off under multi-node training (nodes may differ).
+        start_cache_dir: where those starts are kept; ``None``: ``$XDG_CACHE_HOME/lightning-dltune``,
+            else ``~/.cache/lightning-dltune`` (delete it to clear).
 
     Raises:
         ValueError: for a band other than two numbers with ``0 < low < high <= 1``, an unknown
@@ -202,6 +212,8 @@ class DataLoaderTuner(Callback):
         verbose: Union[bool, int] = True,
         recommendation_file: bool = True,
         tune_validation: bool = True,
+        start_tuned: bool = False,
+        start_cache_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.band = validation.band("band", band)
@@ -221,6 +233,10 @@ class DataLoaderTuner(Callback):
         self.verbose = validation.level("verbose", verbose, VERBOSE_REASON)
         self.recommendation_file = validation.flag("recommendation_file", recommendation_file)
         self.tune_validation = validation.flag("tune_validation", tune_validation)
+        self.start_tuned = validation.flag("start_tuned", start_tuned)
+        if start_cache_dir is not None and not isinstance(start_cache_dir, (str, os.PathLike)):
+            raise validation.type_error("start_cache_dir", start_cache_dir, "a directory path or None")
+        self.start_cache_dir = None if start_cache_dir is None else os.fspath(start_cache_dir)
         # max_rebuilds, min_gain and max_prefetch_factor are checked by PolicySettings
         self.settings = PolicySettings(
             band=self.band, max_rebuilds=max_rebuilds, min_gain=min_gain, max_prefetch_factor=max_prefetch_factor
@@ -252,6 +268,8 @@ class DataLoaderTuner(Callback):
         self._show_not_resumable: Optional[Callable[[], None]] = None
         self._resumed_at: Optional[int] = None  # the batch a resumed epoch continues at
         self._start_budget: Optional[Budget] = None
+        self._fingerprint: Optional[Fingerprint] = None  # this fit's machine and data (start_tuned)
+        self._start_note: Optional[str] = None
         self._last_step_logged = -1
         self._notices.reset()
 
@@ -329,8 +347,17 @@ class DataLoaderTuner(Callback):
         if isinstance(datamodule, UserLoaders) and self._run.tuning:
             budget = self._start_budget = self._budget(trainer, pl_module)  # a collective: here, on every rank
             datamodule.clamp_start = partial(clamp_start, budget=budget, settings=self.settings)
+            datamodule.start_from = partial(self._cached_start, trainer)
         if isinstance(datamodule, TunableDataModule):
             self._say_held_workers(trainer)
+            if self._run.tuning and datamodule.train_dataset is not None:
+                cached = self._cached_start(
+                    trainer, datamodule.train_dataset, datamodule.batch_size, datamodule.estimate_batch_bytes
+                )
+                if cached is not None and self._run.restored_config is None:
+                    datamodule.set_loader_config(cached)
+                if self._start_note is not None:
+                    self._say_once(trainer, "start-cache", self._start_note)
             clamped = clamp_datamodule_start(datamodule, self._budget(trainer, pl_module), self.settings)
             if clamped is not None:
                 self._say_once(trainer, "clamped", clamped)
@@ -378,10 +405,31 @@ class DataLoaderTuner(Callback):
             elif self._run.tuning:
                 self._say_once(trainer, "adopted", _tuning_notice(trainer, loaders))
                 self._say_held_workers(trainer)
+                if self._start_note is not None:
+                    self._say_once(trainer, "start-cache", self._start_note)
                 if loaders.clamped is not None:
                     asked, started, nbytes = loaders.clamped
                     notice = clamp_notice(asked, started, self._start_budget, nbytes, self.settings)
                     self._say_once(trainer, "clamped", notice)
+
+    def _cached_start(
+        self, trainer: pl.Trainer, dataset: Any, batch_size: Optional[int], batch_bytes: Any
+    ) -> Optional[LoaderConfig]:
+        """The saved start for this machine and data (``start_tuned``), the note to say in ``_start_note``."""
+        if not self.start_tuned or self._fingerprint is not None:
+            return None
+        if trainer.num_nodes > 1:
+            self._start_note = "[dltune] start_tuned is off under multi-node training: the nodes may differ"
+            return None
+        nbytes = batch_bytes() if callable(batch_bytes) else batch_bytes
+        self._fingerprint = fingerprint(dataset, batch_size, nbytes, trainer.world_size)
+        config, self._start_note = StartCache(self.start_cache_dir).lookup(self._fingerprint)
+        if config is None and self._start_note is None:
+            self._start_note = (
+                f"[dltune] no saved start for this machine and data yet; this fit's recommendation will be"
+                f" saved in {StartCache(self.start_cache_dir).root}"
+            )
+        return config
 
     def _say_held_workers(self, trainer: pl.Trainer) -> None:
         held = self._run.datamodule.held_workers_reason()  # type: ignore[union-attr]
@@ -590,6 +638,11 @@ class DataLoaderTuner(Callback):
             self.verbose,
             self._run.val_history,
         )
+        if self._fingerprint is not None and self._recommended is not None and trainer.is_global_zero:
+            rate = max((r.samples_per_s for r in self._run.history if r.config == self._recommended), default=0.0)
+            path = StartCache(self.start_cache_dir).save(self._fingerprint, self._recommended, rate)
+            if self.verbose >= VERBOSE_LINE:
+                say(trainer, f"[dltune] saved as the next fit's start (start_tuned=True): {path}")
 
     # ------------------------------------------------------------------ logging
     def _log_window(self, trainer: pl.Trainer, record: WindowRecord) -> None:

@@ -144,6 +144,8 @@ class UserLoaders(LiveLoaders):
         # (start config, batch bytes, loaders holding batches) -> the config within the job's budget; set at fit start
         self.clamp_start: Optional[Callable[..., LoaderConfig]] = None
         self.clamped: Optional[tuple[LoaderConfig, LoaderConfig, Optional[int]]] = None  # (asked, started, bytes)
+        # (dataset, batch size, batch bytes) -> a saved start for this machine and data (start_tuned), or None
+        self.start_from: Optional[Callable[..., Optional[LoaderConfig]]] = None
 
     @property
     def tunable(self) -> bool:
@@ -192,14 +194,19 @@ class UserLoaders(LiveLoaders):
             if self._loader_config is None:  # no workers yet: persistent ones once the tuner adds some
                 own = loader_config_of(loader)
                 self._loader_config = own if own.num_workers else own.replace(persistent_workers=True)
-                self._clamp(own)
+                saved = self.start_from(*self._train_sample, self.estimate_batch_bytes) if self.start_from else None
+                if saved is not None:  # its workers and prefetch; the loader's own pinning and persistence
+                    self._loader_config = self._loader_config.replace(
+                        num_workers=saved.num_workers, prefetch_factor=saved.prefetch_factor
+                    )
+                self._clamp(self._loader_config)
 
-    def _clamp(self, own: LoaderConfig) -> None:
+    def _clamp(self, start: LoaderConfig) -> None:
         """A start over the job's budget (16 workers on 8 CPUs) is brought within it before any worker starts."""
-        if self.clamp_start is None or self._loader_config is None or not own.num_workers:
+        if self.clamp_start is None or self._loader_config is None or not start.num_workers:
             return
         batch_bytes = self.estimate_batch_bytes()
-        loaders = 2 if own.persistent_workers and self._requests[VAL] else 1  # persistent val workers hold batches too
+        loaders = 2 if start.persistent_workers and self._requests[VAL] else 1  # persistent val workers hold theirs
         clamped = self.clamp_start(self._loader_config, batch_bytes=batch_bytes, loaders=loaders)
         if clamped != self._loader_config:
             self.clamped = (self._loader_config, clamped, batch_bytes)
