@@ -288,7 +288,7 @@ class DataLoaderTuner(Callback):
 
     @property
     def rebuilds(self) -> int:
-        """Loader config changes in this fit."""
+        """Loader config changes in this fit: the training loaders' and the validation loaders' own."""
         self._take_handoff()
         return self._run.rebuilds
 

@@ -619,7 +619,7 @@ def test_ddp_spawn(tmp_path, workdir):
             pytest.skip("rank 1 aborted at exit in torch's gloo threads before rank zero handed the state back")
     assert tuner.history and tuner.history[0].end_batch == 4  # the early window, then the rest of epoch 0
     assert tuner.history[-1].epoch == 0 and tuner.recommended_config is not None
-    assert tuner.rebuilds == sum(r.changed for r in tuner.history)
+    assert tuner.rebuilds == sum(r.changed for r in tuner.history + tuner.val_history)  # train and val changes
 
 
 USER_CLI = textwrap.dedent(
