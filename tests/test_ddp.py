@@ -13,19 +13,20 @@ pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
 HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")  # the DDP child scripts
 
 
+def _run_ddp_script(script, *args):
+    """A DDP child script of tests/helpers, run to its end: its output (it must exit 0)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    command = [sys.executable, os.path.join(HELPERS, script), *map(str, args)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HELPERS, "ddp_fit.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run_ddp_script("ddp_fit.py", out)
     ranks = [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
     return out, ranks, proc.stdout + proc.stderr
 
@@ -63,17 +64,8 @@ def test_every_rank_applies_the_same_decision(ddp_run):
 
 
 def test_a_ddp_fit_resumed_mid_epoch_with_another_worker_count_sees_every_remaining_sample_once(tmp_path):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("LOCAL_RANK", None)
     for phase, workers in (("first", 2), ("resume", 0)):
-        proc = subprocess.run(
-            [sys.executable, os.path.join(HELPERS, "ddp_resume_fit.py"), str(tmp_path), phase, str(workers)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _run_ddp_script("ddp_resume_fit.py", tmp_path, phase, workers)
     load = lambda phase, rank: json.load(open(tmp_path / f"{phase}-rank{rank}.json"))  # noqa: E731
     epoch_1 = []
     for rank in (0, 1):
@@ -87,16 +79,7 @@ def test_a_ddp_fit_resumed_mid_epoch_with_another_worker_count_sees_every_remain
 @pytest.fixture(scope="module")
 def ddp_user_loaders(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_user")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HELPERS, "ddp_user_loaders_fit.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_ddp_script("ddp_user_loaders_fit.py", out)
     return [json.load(open(out / f"user_rank{r}.json")) for r in (0, 1)]
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from fit_workloads import CountingIterable, SleepyDataset
 from lightning.pytorch.callbacks import Callback
+from test_loader import CheckpointAndStop  # saves a checkpoint mid-epoch and stops, as a preemption would
 from torch.utils.data import DataLoader
 from user_projects import BATCH, TRAIN_LENGTH, VAL_LENGTH, ModuleLoaders, TaggedLoader, fit_shape, train_set, val_set
 
@@ -205,22 +206,12 @@ def test_monitor_only_leaves_the_project_loaders_untouched(trainer_kwargs):
 
 
 # -- exact mid-epoch resume of a project's own loader, with another worker count ----------------------
-class _CheckpointAndStop(Callback):
-    def __init__(self, path, epoch, batch_idx):
-        self.path, self.epoch, self.batch_idx = path, epoch, batch_idx
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.current_epoch == self.epoch and batch_idx == self.batch_idx:
-            trainer.save_checkpoint(self.path)
-            trainer.should_stop = True
-
-
 @pytest.mark.parametrize("resume_with_tuner", [True, False])
 @pytest.mark.slow
 def test_a_fit_resumed_mid_epoch_trains_the_rest_of_the_epoch_once(trainer_kwargs, tmp_path, caplog, resume_with_tuner):
     ckpt = str(tmp_path / "mid.ckpt")
     first = ModuleLoaders()
-    stop = _CheckpointAndStop(ckpt, epoch=1, batch_idx=19)
+    stop = CheckpointAndStop(ckpt, epoch=1, batch_idx=19)
     pl.Trainer(max_epochs=3, callbacks=[_tuner(), stop], **trainer_kwargs).fit(first)
     assert len(first.train_indices[1]) == 20 * BATCH
 

@@ -23,7 +23,7 @@ from lightning_dltune.control.switchable import FailureListener, SwitchableLoade
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.history import detect_shift, same_conditions
 from lightning_dltune.core.policy import decide
-from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
+from lightning_dltune.core.records import Budget, Decision, PolicySettings, WindowRecord
 from lightning_dltune.core.stats import WindowStats
 from lightning_dltune.core.windows import WindowSchedule
 
@@ -33,6 +33,15 @@ Broadcast = Callable[[Any], Any]
 
 def _alone(obj: Any) -> Any:
     return obj
+
+
+def _record(
+    epoch: int, config: LoaderConfig, stats: WindowStats, decision: Decision, end_batch: Optional[int], step: int
+) -> WindowRecord:
+    """The record of one judged window (training) or validation run."""
+    return WindowRecord(
+        epoch, config, stats, decision.verdict, decision.reason, decision.config, end_batch, step, decision.judged_util
+    )
 
 
 class TuningRun:
@@ -112,17 +121,7 @@ class TuningRun:
             return None
         decision = decide(config, stats, budget, self.history, self.settings)
         decision, self.windows.next_length = broadcast((decision, self.windows.length_after(stats)))
-        record = WindowRecord(
-            epoch,
-            config,
-            stats,
-            decision.verdict,
-            decision.reason,
-            decision.config,
-            end_batch,
-            global_step,
-            decision.judged_util,
-        )
+        record = _record(epoch, config, stats, decision, end_batch, global_step)
         self.history.append(record)
         if self.tuning:
             self._apply(record, mid_epoch=end_batch is not None)
@@ -146,17 +145,7 @@ class TuningRun:
         if stats.fetches == 0:
             return None
         decision = broadcast(decide(config, stats, budget, self.val_history, self.settings))
-        record = WindowRecord(
-            epoch,
-            config,
-            stats,
-            decision.verdict,
-            decision.reason,
-            decision.config,
-            None,
-            global_step,
-            decision.judged_util,
-        )
+        record = _record(epoch, config, stats, decision, None, global_step)
         self.val_history.append(record)
         if self.tuning and self.tune_validation:
             assert self.datamodule is not None
