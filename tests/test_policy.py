@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Optional
 
 import pytest
-from ground_truth import ping_pong, settled_correctly, steady_in_band, target, trail, within_budget
+from ground_truth import ping_pong, settled_correctly, steady_in_band, trail, within_budget
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pipeline_sim import Pipeline, simulate
@@ -112,7 +112,8 @@ def test_cpu_bound_pipeline_stops_at_the_cpus():
     decision = decide(cfg(0), stats, Budget(max_workers=32, cpus=4))
     # 80 ms / 10 ms wants 10 workers, but 4 CPUs carry 3 of them and the training process
     assert decision.config.num_workers == 3
-    assert decision.verdict == Verdict.DATA_BOUND_CPU
+    # 0 workers keep one process busy, not 4 CPUs: no CPU evidence yet, so not "CPU saturated"
+    assert decision.verdict == Verdict.DATA_BOUND_IO
 
 
 def test_io_bound_pipeline_goes_past_the_cores():
@@ -160,9 +161,11 @@ def test_an_io_bound_pipeline_without_workers_reaches_the_band_within_two_decisi
     assert records[1].config.num_workers >= 4  # one rebuild, sized by Little's law
     assert all(r.stats.starvation_ratio <= 0.15 for r in records[1:])
     assert records[-1].samples_per_s >= 3.5 * records[0].samples_per_s
-    # after it, only give-backs of the modelled slack, down to the leanest config that keeps the band
+    # after it, only give-backs of the modelled slack, down to the leanest config that keeps the band (a give-back
+    # is judged at a cost two standard errors up: from two windows it may take two steps)
     assert all(r.next_config.num_workers <= r.config.num_workers for r in records[1:])
-    assert records[-1].next_config.num_workers >= 4 and records[-1].verdict == Verdict.IN_BAND
+    assert records[-1].next_config.num_workers >= 4
+    assert records[-1].verdict in (Verdict.IN_BAND, Verdict.COMPUTE_BOUND)  # 99 % busy: not data-bound
 
 
 def test_deeper_prefetch_absorbs_bursts_in_the_simulator():
@@ -631,11 +634,6 @@ def test_budgets_are_never_exceeded(data, pipeline, start, cores):
 
 
 @pytest.mark.slow  # ~9 s on 2 cores
-@target(
-    "an I/O-bound pipeline on 2 cores can give back a worker by rounding and spend two windows undoing it "
-    "(313 ms I/O + 31 ms CPU a batch, 31 ms step, budget 8 workers, start 0x1: 0 -> 8 (budget), 'oversubscribed' "
-    "by a fraction of one worker's CPU share -> 7, starved 36 %, confirmed, undone: no correct verdict in 4 windows)"
-)
 @PROPERTY
 @given(data=st.data(), kind=st.sampled_from(["io", "cpu"]), start=starts, cores=cores_)
 def test_band_or_a_correct_verdict_within_three_decisions(data, kind, start, cores):
@@ -683,3 +681,173 @@ def test_wide_start_on_a_fast_pipeline_is_brought_down(data, cores, seed):
     final = records[-1].next_config
     assert final.num_workers < 16
     assert all(r.next_config.num_workers <= r.config.num_workers for r in records)
+
+
+# ------------------------------------------------------------------------------------------------
+# Verdicts consistent with the numbers; CPU saturation needs CPU evidence
+
+
+def test_no_window_above_the_band_is_called_data_bound():
+    # 0 -> 1 worker made it 10 % slower (a neighbour took the CPUs, the step slowed): undone on two windows, and
+    # the window it is undone on ran at 98 %: "compute-bound", not "data-bound (CPU saturated)"
+    before = window(1, 10, stall_fraction=1.0)
+    after = window(0.2, 12, stall_fraction=0.1)
+    history = [record(0, cfg(0), before, cfg(1)), record(1, cfg(1), after, cfg(1))]
+    decision = decide(cfg(1), after, Budget(max_workers=1, cpus=2), history)
+    assert decision.reason.kind == ReasonKind.UNDO_SLOWER and decision.config == cfg(0)
+    assert after.utilization > DEFAULTS.band[1]
+    assert decision.verdict == Verdict.COMPUTE_BOUND
+
+
+def test_cpus_are_called_saturated_only_where_measured_busy():
+    # 7 CPU-bound workers on 8 CPUs, each busy all the time, plus the training process: 8 CPUs in use
+    busy = window(30, 10, worker_ms=280, cpu_fraction=1.0)
+    assert decide(cfg(7), busy, Budget(max_workers=32, cpus=8)).verdict == Verdict.DATA_BOUND_CPU
+    # the same starvation with workers that wait on storage (3 % CPU): I/O-bound, whatever the core count
+    waiting = window(30, 10, worker_ms=280, cpu_fraction=0.03)
+    decision = decide(cfg(7), waiting, Budget(max_workers=32, cpus=8))
+    assert decision.verdict == Verdict.DATA_BOUND_IO and decision.config.num_workers > 7
+
+
+def test_starved_with_free_cpus_measures_a_step_up_rather_than_predict_no_gain():
+    # the case: 29 I/O-bound workers (3 % CPU) on 128 CPUs at ~80 %, most fetches find a batch ready, prefetch
+    # already at its deepest: the mean says 29 workers are plenty. The loop's own delivery says otherwise
+    stats = window(2.5, 10, stall_fraction=0.2, worker_ms=230, cpu_fraction=0.03)
+    decision = decide(cfg(29, 8), stats, Budget(max_workers=127, cpus=128))
+    assert decision.reason.kind == ReasonKind.MORE_WORKERS and decision.reason["sized_by"] == "delivery"
+    # each of 29 delivered one batch per 29 x 12.5 ms: 1.2 x 100 batches/s wants 44
+    assert decision.config.num_workers == math.ceil(29 * 1.2 * 100 / 80)
+    assert decision.verdict == Verdict.DATA_BOUND_IO
+
+
+def test_past_the_modelled_cpu_limit_an_unknown_cpu_share_is_measured_one_worker_at_a_time():
+    # a loader that cannot say its CPU share counts as CPU work: 3 workers and the training process fill 4 CPUs by
+    # the model, but nothing measured them busy: one more worker is measured, not "CPU saturated" declared
+    stats = window(30, 10)
+    decision = decide(cfg(3), stats, Budget(max_workers=32, cpus=4))
+    assert decision.config == cfg(4) and decision.reason["sized_by"] == "delivery"
+    assert decision.verdict == Verdict.DATA_BOUND_IO
+
+
+def test_a_measured_step_that_did_not_pay_stops_the_steps():
+    # the measured step 29 -> 44 gained nothing although the loop's delivery expected +50 %: no more workers
+    stats = window(2.5, 10, stall_fraction=0.2, worker_ms=230, cpu_fraction=0.03)
+    same = window(2.5, 10, stall_fraction=0.2, worker_ms=350, cpu_fraction=0.03)
+    history = [record(0, cfg(29, 8), stats, cfg(44, 8)), record(1, cfg(44, 8), same, cfg(44, 8))]
+    decision = decide(cfg(44, 8), same, Budget(max_workers=127, cpus=128), history)
+    assert decision.config == cfg(44, 8) and decision.reason.kind == ReasonKind.STOPPED_HELPING
+
+
+# ------------------------------------------------------------------------------------------------
+# Sizing from the spread: in-order delivery
+
+
+def test_a_spread_of_batch_times_sizes_more_workers_than_the_mean():
+    plain = window(290, 10, worker_ms=300, cpu_fraction=0.03)
+    spread = replace(plain, worker_batch_p95_s=0.520)  # a p95 1.73x the mean: a 40 % spread
+    by_mean = decide(cfg(0), plain, Budget(max_workers=127, cpus=128)).config.num_workers
+    by_spread = decide(cfg(0), spread, Budget(max_workers=127, cpus=128)).config.num_workers
+    assert by_mean == 36  # 300 ms / 10 ms x 1.2
+    assert by_spread > by_mean * 1.2  # the slowest of ~40 outstanding batches costs about a quarter more
+
+
+def test_the_models_in_order_wait_grows_with_the_workers_and_shrinks_with_prefetch():
+    from lightning_dltune.core.model import PipelineModel, in_order_wait
+
+    assert in_order_wait(0.3, 0.0, 32, 2) == 0.0 and in_order_wait(0.3, 0.7, 1, 2) == 0.0
+    assert in_order_wait(0.3, 0.7, 8, 2) < in_order_wait(0.3, 0.7, 64, 2)
+    assert in_order_wait(0.3, 0.7, 32, 4) == pytest.approx(in_order_wait(0.3, 0.7, 32, 2) / 2)
+    stats = replace(window(50, 10, worker_ms=300, cpu_fraction=0.03), worker_batch_p95_s=0.520)
+    model = PipelineModel.infer(6, stats, 128, prefetch=2)
+    assert model.capacity(36) < model.mean_capacity(36) < 36 / 0.29
+    assert model.capacity(36, prefetch=8) > model.capacity(36, prefetch=2)
+
+
+def test_the_simulators_spread_costs_what_the_model_says_within_a_few_points():
+    from lightning_dltune.core.model import PipelineModel
+
+    pipeline = Pipeline(cpu_s=0.0096, io_s=0.32, step_s=0.020, spread=0.4)
+    seen = simulate(cfg(30, 2), pipeline, 64, batches=250, warm=120)
+    model = PipelineModel.infer(30, seen, 64, prefetch=2)
+    for workers, prefetch in ((16, 2), (20, 2), (25, 2), (18, 4)):
+        truth = pipeline.running_samples_per_s(cfg(workers, prefetch), 64) / pipeline.batch_size
+        assert model.throughput(workers, prefetch) == pytest.approx(truth, rel=0.05), (workers, prefetch)
+    # the mean alone is 4 to 20 points too optimistic there
+    assert model.mean_capacity(20) / model.demand > 1.0 > pipeline.running_samples_per_s(cfg(20, 2), 64) / 32 / 50
+
+
+# ------------------------------------------------------------------------------------------------
+# The leanest config that keeps the band
+
+
+def test_in_the_band_workers_the_cpus_cannot_carry_are_given_back():
+    # the bad start: 7 CPU-bound workers on 2 CPUs (the budget's cut from 16), 90 % busy: two workers and
+    # the training process already fill the CPUs, so the model says 2 make as much as 7, and they go
+    stats = replace(window(1.1, 10, worker_ms=77, cpu_fraction=0.28), main_cpu_fraction=0.3)
+    history = [record(0, cfg(7, 8), stats, cfg(7, 8))]
+    decision = decide(cfg(7, 8), stats, Budget(max_workers=7, cpus=2), history)
+    assert decision.reason.kind == ReasonKind.GIVE_BACK_WORKERS and decision.verdict == Verdict.IN_BAND
+    assert decision.config.num_workers < 7
+    # one window is not evidence
+    assert decide(cfg(7, 8), stats, Budget(max_workers=7, cpus=2)).config == cfg(7, 8)
+
+
+def test_in_the_band_a_model_that_cannot_explain_the_window_gives_nothing_back():
+    # 25 workers at 90 %: the mean says they make 1.6x what the step eats, yet the loop waits: the model is off
+    stats = window(1.1, 10, stall_fraction=0.3, worker_ms=150, cpu_fraction=0.03)
+    history = [record(0, cfg(25), stats, cfg(25))]
+    assert decide(cfg(25), stats, Budget(max_workers=127, cpus=128), history).config == cfg(25)
+
+
+def test_a_give_back_that_clearly_cost_speed_is_undone_on_two_windows():
+    slack = window(0, 10, stall_fraction=0.0, worker_ms=20, cpu_fraction=0.2)
+    slower = window(1.2, 10, stall_fraction=0.5, worker_ms=20, cpu_fraction=0.2)  # 89 %: in the band, 11 % slower
+    history = [record(0, cfg(4), slack, cfg(4)), record(1, cfg(4), slack, cfg(3))]
+    first = decide(cfg(3), slower, ROOMY, history)
+    assert first.config == cfg(3) and first.reason.kind == ReasonKind.CONFIRM_STARVED
+    history.append(record(2, cfg(3), slower, cfg(3)))
+    undo = decide(cfg(3), slower, ROOMY, history)
+    assert undo.config == cfg(4) and undo.reason.kind == ReasonKind.UNDO_GIVE_BACK
+    assert undo.reason["gain"] < -(DEFAULTS.min_gain + DEFAULTS.hysteresis)
+
+
+def test_prefetch_a_step_up_paid_for_is_not_given_back():
+    starved = window(1.5, 10, stall_fraction=0.05, worker_ms=35, cpu_fraction=0.03)
+    slack = window(0, 10, stall_fraction=0.0, worker_ms=35, cpu_fraction=0.03)
+    history = [
+        record(0, cfg(7, 2), starved, cfg(7, 2)),
+        record(1, cfg(7, 2), starved, cfg(7, 3)),
+        record(2, cfg(7, 3), slack, cfg(7, 3)),
+    ]
+    decision = decide(cfg(7, 3), slack, Budget(max_workers=7, cpus=8), history)
+    assert decision.config == cfg(7, 3)  # back to 7 x 2 would undo a step that paid (and ping-pong)
+
+
+# ------------------------------------------------------------------------------------------------
+# Faster confirmation; the best config under the latest conditions
+
+
+def test_a_suspected_shift_asks_for_a_short_window_to_confirm_it():
+    steady = window(5, 10, worker_ms=40, cpu_fraction=0.2)
+    history = [record(i, cfg(4), replace(steady, worker_batch_s=0.040 + 0.001 * (i % 2)), cfg(4)) for i in range(4)]
+    slowed = window(60, 10, worker_ms=120, cpu_fraction=0.2)
+    decision = decide(cfg(4), slowed, ROOMY, history)
+    assert decision.reason.kind == ReasonKind.SHIFT_SUSPECTED
+    assert 10 <= decision.confirm_batches < slowed.batches  # enough to be sure, not a whole window
+    # a regular decision asks for a regular window
+    assert decide(cfg(4), steady, ROOMY, history).confirm_batches is None
+
+
+def test_the_best_config_is_judged_under_the_latest_conditions():
+    from lightning_dltune.core.history import latest_conditions, median_rate
+
+    starved, fast = window(20, 10), window(1, 10)
+    busy = window(15, 20)  # a neighbour arrives: the step twice as slow, 1 worker at 914 samples/s
+    alone = window(2, 20)  # ... and 0 workers faster then (1,455 samples/s)
+    history = [record(i, cfg(0), starved, cfg(0) if i < 2 else cfg(1)) for i in range(3)]
+    history += [record(3 + i, cfg(1), fast, cfg(1)) for i in range(4)]
+    history += [record(7, cfg(1), busy, cfg(1)), record(8, cfg(1), busy, cfg(0))]
+    history += [record(9 + i, cfg(0), alone, cfg(0)) for i in range(2)]
+    assert latest_conditions(history) == 7
+    assert best_config(history) == cfg(0)  # over the whole fit the medians would say 1 worker (2,909 samples/s)
+    assert median_rate(history, cfg(0)).epoch == 9  # the window it cites ran under the same conditions

@@ -171,3 +171,18 @@ def test_nan_is_unknown_in_rows():
     row = pack(window(1, 10)).tolist()
     names = [f.name for f in dataclasses.fields(WindowStats)]
     assert math.isnan(row[names.index("gpu_util")]) and math.isnan(row[names.index("queue_depth")])
+
+
+def test_the_workers_p95_time_per_batch_pools_by_batches_reduces_to_the_worst_rank_and_loads_from_old_checkpoints():
+    a = window(10, 10, batches=100, worker_batch_s=0.3, worker_batch_p95_s=0.5)
+    b = window(20, 10, batches=300, worker_batch_s=0.3, worker_batch_p95_s=0.7)
+    assert pool_windows([a, b]).worker_batch_p95_s == pytest.approx((0.5 * 100 + 0.7 * 300) / 400)
+    assert pool_windows([a, replace_p95(b, None)]).worker_batch_p95_s is None  # unknown in the latest: unknown
+    assert reduce_ranks([a, b]).worker_batch_p95_s == 0.7  # b is the more starved rank
+    old = to_dict(a)
+    del old["worker_batch_p95_s"]  # a checkpoint from before the field
+    assert from_dict(WindowStats, old).worker_batch_p95_s is None
+
+
+def replace_p95(stats: WindowStats, p95: Optional[float]) -> WindowStats:
+    return dataclasses.replace(stats, worker_batch_p95_s=p95)

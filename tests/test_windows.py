@@ -54,3 +54,13 @@ def test_a_long_window_looks_for_new_conditions_every_window_batches():
     assert schedule.look == NO_BATCH  # the next look would be the close itself
     schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=False)
     assert schedule.look == NO_BATCH  # monitoring only: nothing to act on early
+
+
+def test_a_window_that_confirms_a_suspected_change_is_as_short_as_the_decision_asks():
+    schedule = WindowSchedule(window_batches=50, window_seconds=3.0)
+    assert schedule.length_after(paced(0.020), confirm_batches=20) == 20
+    assert schedule.length_after(paced(0.020), confirm_batches=500) == 150  # never longer than a regular window
+    assert schedule.length_after(paced(0.020), confirm_batches=None) == 150
+    schedule.next_length = schedule.length_after(paced(0.020), confirm_batches=20)
+    schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
+    assert (schedule.end, schedule.look) == (219, NO_BATCH)  # short: nothing to look at in between

@@ -1,8 +1,9 @@
 """What the policy remembers of a fit, replayed from its window records (the policy keeps no state).
 
 Also the one notion of the **best config**: the leanest config (fewest workers, then the shallowest
-prefetch) whose median window throughput is within ``min_gain`` of the best median. The decision, the
-end-of-fit table and the recommendation all use :func:`best_config`.
+prefetch) whose median window throughput under the fit's latest conditions is within ``min_gain`` of the
+best median there. The decision, the end-of-fit table and the recommendation all use it
+(:func:`best_config`, :func:`median_rate` for the window to cite).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from enum import Enum
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.model import PipelineModel
+from lightning_dltune.core.model import UNLIMITED, PipelineModel
 from lightning_dltune.core.records import Budget, PolicySettings, WindowRecord
 from lightning_dltune.core.stats import WindowStats, pool_windows
 
@@ -30,6 +31,8 @@ SHIFT_STEP = 0.10  # ... or a step time by more than this share (an accelerator'
 # means a busier host, whose pooled windows would otherwise read as slack) ...
 SHIFT_STARVATION = 0.15  # ... or starvation that moved by more than this (absolute) ...
 SHIFT_SIGMAS = 3.0  # ... and by more than this many standard deviations of the pooled windows: new conditions
+CONFIRM_BATCHES = 10  # a window that confirms a suspected shift holds at least this many batches
+_Z95 = 1.6449  # a normal's p95, in standard deviations
 CONTENTION_STEP = 0.25  # a step this much slower than before a change: the machine got busier (or our workers
 # take the training process's CPU); the change is measured again before it is judged
 
@@ -53,6 +56,8 @@ class LastChange:
         stopped_helping: more workers that the model said would clearly pay, and did not.
         windows: windows of the current config since the change (it is judged once ``CONFIRM_WINDOWS``).
         step_ratio: the current config's step time over ``before``'s (above ``1 + CONTENTION_STEP``: contention).
+        util_gain: relative utilization change, like ``gain`` (the data side's speed at the step of the day: a
+            step that drifts moves ``gain``, not this).
     """
 
     before: LoaderConfig
@@ -62,6 +67,7 @@ class LastChange:
     stopped_helping: bool = False
     windows: int = 1
     step_ratio: float = 1.0
+    util_gain: float = 0.0
 
     @property
     def confirmed(self) -> bool:
@@ -99,6 +105,10 @@ class FitHistory:
     best: Optional[LoaderConfig]
     shift: Optional[Shift] = None  # conditions shifted: the newest two windows agree on it
     suspect: Optional[Shift] = None  # the newest window alone left the config's earlier ones: noise or new conditions
+    confirm_batches: Optional[int] = None  # batches enough to confirm ``suspect`` (see :func:`confirm_batches`)
+    outgrown: tuple[tuple[int, int], ...] = ()  # (workers, prefetch) that a step up left and paid for, today
+    cost_error: float = 0.0  # relative standard error of the data side's cost per batch over ``seen``'s windows
+    best_util: float = 0.0  # the highest utilization of windows pooled two or more, under today's conditions
 
 
 @dataclass
@@ -148,9 +158,11 @@ class _Replay:
         self.budget = budget
         self.settings = settings
         self.pooled: list[WindowStats] = []  # each window pooled with the earlier ones of its streak
+        self.pooled_count: list[int] = []  # how many windows each of those pools
         self.rejected: dict[LoaderConfig, _Strike] = {}
         self.strikes: dict[LoaderConfig, int] = {}  # how often each config was undone (never forgotten: backoff)
         self.starved: list[tuple[int, int]] = []
+        self.outgrown: list[tuple[int, int]] = []  # configs a step up left and paid for, under today's conditions
         self.worker_ceiling: Optional[_Strike] = None
         self.prefetch_ceiling: Optional[_Strike] = None
         self.last_change: Optional[LastChange] = None
@@ -164,6 +176,7 @@ class _Replay:
         streak = self._streak_of(i)
         start = max(streak.start, i + 1 - POOLED_WINDOWS)
         self.pooled.append(pool_windows([w for _, w, _ in self.windows[start : i + 1]]))
+        self.pooled_count.append(i + 1 - start)
         self._note_starved(self.pooled[i], config)
         if streak.before is None or streak.before_stats is None or streak.undo or streak.start < self.conditions_from:
             return
@@ -199,6 +212,7 @@ class _Replay:
         self.shift = moved if i == len(self.windows) - 1 else None
         self.rejected.clear()
         self.starved.clear()
+        self.outgrown.clear()
         self.worker_ceiling = self.prefetch_ceiling = None
         streak = _Streak(i - 1, config)
         self.streaks.append(streak)
@@ -230,12 +244,21 @@ class _Replay:
         step_ratio = _ratio(self.pooled[i].step_mean_s, before_stats.step_mean_s)
         busy = step_ratio > 1.0 + CONTENTION_STEP
         if i == last and length <= CONFIRM_WINDOWS:
-            self.last_change = LastChange(before, before_stats, streak.kind, gain, stopped_helping, length, step_ratio)
+            util_gain = _ratio(self.pooled[i].utilization, before_stats.utilization) - 1.0
+            self.last_change = LastChange(
+                before, before_stats, streak.kind, gain, stopped_helping, length, step_ratio, util_gain
+            )
         if ended and next_config == before:  # A -> B -> A: B was undone
             self.strikes[config] = self.strikes.get(config, 0) + 1
             self.rejected[config] = _Strike(config, i, self.strikes[config], busy)
         if length == CONFIRM_WINDOWS or (ended and length < CONFIRM_WINDOWS):  # the change's verdict, once
             self._cap(i, streak.kind, before, config, gain, stopped_helping, busy)
+            # (by throughput or by utilization, which the step's own drift leaves alone: half of `min_gain` is help)
+            util_gain = _ratio(self.pooled[i].utilization, before_stats.utilization) - 1.0
+            helped = max(gain, util_gain) >= settings.min_gain / 2
+            paid = streak.kind in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH) and helped
+            if paid and resources(before) not in self.outgrown:
+                self.outgrown.append(resources(before))
 
     def _cap(
         self,
@@ -272,26 +295,37 @@ class _Replay:
         """What the rules need of the replayed fit, as of its newest window (``history`` is the fit's records)."""
         windows, now = self.windows, len(self.windows) - 1
         streak = self.streaks[-1]
-        suspect = None
+        suspect, confirm = None, None
         if self.shift is None and now - streak.start >= 2:  # the newest window against the (at least two) before it
             prior = [w for _, w, _ in windows[max(streak.start, now - POOLED_WINDOWS) : now]]
             suspect = detect_shift(prior, windows[now][1], windows[now][0].num_workers)
+            if suspect is not None:
+                confirm = confirm_batches(prior, windows[now][1], suspect, windows[now][0].num_workers)
         count = min(now - streak.start + 1, POOLED_WINDOWS)
         changes = [r.changed for r in history]
         return FitHistory(
             seen=self.pooled[-1],
             windows=count,
             util_error=_standard_error([w.utilization for _, w, _ in windows[now + 1 - count :]]),
+            cost_error=_cost_error([w for _, w, _ in windows[now + 1 - count :]], windows[now][0].num_workers),
             rebuilds=sum(changes[self.conditions_from :]),
             rejected=tuple(c for c, strike in self.rejected.items() if strike.stands(now)),
             starved=tuple(self.starved),
+            outgrown=tuple(self.outgrown),
             worker_ceiling=_standing(self.worker_ceiling, now),
             prefetch_ceiling=_standing(self.prefetch_ceiling, now),
             last_change=self.last_change,
             best=_best([(c, w) for c, w, _ in windows[self.conditions_from :]], self.settings.min_gain),
+            best_util=self._best_util(),
             shift=self.shift,
             suspect=suspect,
+            confirm_batches=confirm,
         )
+
+    def _best_util(self) -> float:
+        """The highest utilization of windows pooled two or more since conditions last shifted (0: none)."""
+        since = range(self.conditions_from, len(self.pooled))
+        return max((self.pooled[i].utilization for i in since if self.pooled_count[i] >= 2), default=0.0)
 
 
 def _standing(ceiling: Optional[_Strike], now: int) -> Optional[int]:
@@ -307,7 +341,8 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -
     time, and, where the cost is unknown, starvation. A signal moved when it left its pooled mean by more than
     ``SHIFT_COST`` of it
     (``SHIFT_STEP`` for the step, ``SHIFT_STARVATION`` points for starvation) and by more than
-    ``SHIFT_SIGMAS`` standard deviations of the prior windows, and lies outside all of them.
+    ``SHIFT_SIGMAS`` standard deviations of the prior windows, and lies outside all of them. A cost also
+    needs a typical batch to move its way (:func:`_typical_agrees`): a heavy tail moves the mean alone.
     ``None``: same conditions.
     """
     prior = [w for w in prior if w.batches > 0]
@@ -328,8 +363,64 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -
         margin = max(floor if absolute else floor * mean, SHIFT_SIGMAS * spread)
         # and outside every earlier window: a heavy-tailed cost makes lucky windows that earlier ones also had
         if abs(now - mean) > margin and (now > max(values) or now < min(values)):
-            return Shift(name, mean, now)
+            if _typical_agrees(name, prior, new, workers, now > mean):
+                return Shift(name, mean, now)
     return None
+
+
+def _typical_agrees(name: str, prior: Sequence[WindowStats], new: WindowStats, workers: int, rising: bool) -> bool:
+    """Whether a typical batch moved the way a mean did: a heavy tail moves means alone.
+
+    The data side's cost is a mean, and a rare slow batch (a heavy tail) moves it without new conditions: a
+    window that missed it, or met two, is luck. Its typical batch (the workers' p95 time per batch, which a
+    tail of a few percent leaves alone; with 0 workers the median fetch, which is a batch made) must move the
+    same way, by more than ``SHIFT_COST`` of it and a twentieth of a step. The step time and starvation are
+    compared as they are (workers in step deliver in bunches: most fetches find a batch ready, however starved).
+    """
+    if name != "batch time":
+        return True
+    if workers > 0:
+        before = [w.worker_batch_p95_s for w in prior]
+        now = new.worker_batch_p95_s
+    else:
+        before, now = [w.fetch_wait_p50_s for w in prior], new.fetch_wait_p50_s
+    known = [v for v in before if v is not None]
+    if now is None or len(known) < len(before):
+        return True  # nothing typical to ask
+    mean = sum(known) / len(known)
+    moved = now - mean
+    return (moved > 0) == rising and abs(moved) > SHIFT_COST * mean + 0.05 * new.step_mean_s
+
+
+def confirm_batches(prior: Sequence[WindowStats], new: WindowStats, shift: Shift, workers: int) -> int:
+    """Batches a window needs to confirm ``shift`` (``new`` against ``prior``), at most ``new``'s own.
+
+    Enough for its mean of the signal to lie ``SHIFT_SIGMAS`` standard errors inside half the move, the
+    spread per batch taken as the larger of what the earlier windows' spread implies (window means over
+    their batches: a heavy tail shows there) and what the new window's percentiles say (a normal's
+    ``(p95 - p50) / 1.645``); at least ``CONFIRM_BATCHES`` and one batch per worker.
+    """
+    move = abs(shift.now - shift.before)
+    signal = dict((name, f) for name, f, _ in _signals(workers))[shift.signal]
+    known = [(v, w.batches) for v, w in ((signal(w), w) for w in prior) if v is not None and w.batches > 0]
+    if move <= 0 or len(known) < 2:
+        return new.batches
+    values = [v for v, _ in known]
+    per_batch = statistics.stdev(values) * math.sqrt(sum(n for _, n in known) / len(known))
+    per_batch = max(per_batch, _spread_per_batch(new, shift.signal, workers))
+    needed = math.ceil((2.0 * SHIFT_SIGMAS * per_batch / move) ** 2)
+    return min(new.batches, max(needed, CONFIRM_BATCHES, workers))
+
+
+def _spread_per_batch(window: WindowStats, signal: str, workers: int) -> float:
+    """A signal's standard deviation per batch from the window's percentiles (0 where it has none)."""
+    if signal == "step time":
+        return max(window.step_p95_s - window.step_p50_s, 0.0) / _Z95
+    if signal == "batch time" and window.worker_batch_s is not None and window.worker_batch_p95_s is not None:
+        return max(window.worker_batch_p95_s - window.worker_batch_s, 0.0) / _Z95
+    if signal == "batch time" and workers == 0:
+        return max(window.fetch_wait_p95_s - window.fetch_wait_p50_s, 0.0) / _Z95
+    return 0.0
 
 
 def same_conditions(history: Sequence[WindowRecord], config: LoaderConfig) -> list[WindowStats]:
@@ -377,16 +468,40 @@ def _ratio(now: float, before: float) -> float:
 
 
 def best_config(history: Sequence[WindowRecord], min_gain: float = 0.05) -> Optional[LoaderConfig]:
-    """The leanest config whose median window throughput is within ``min_gain`` of the best median.
+    """The leanest config whose median window throughput under the fit's latest conditions is within ``min_gain``
+    of the best median there.
 
-    Leanest: fewest workers, then shallowest prefetch; ``None`` for a history with nothing measured.
+    Leanest: fewest workers, then shallowest prefetch. Latest conditions: the windows since conditions last
+    shifted (:func:`latest_conditions`); a config measured only before is not compared with those measured
+    after, so the best is never slower than a config measured under the same conditions by more than
+    ``min_gain``. ``None`` for a history with nothing measured.
     """
-    return _best([(r.config, r.stats) for r in history], min_gain)
+    return _best([(r.config, r.stats) for r in history[latest_conditions(history) :]], min_gain)
+
+
+def latest_conditions(history: Sequence[WindowRecord]) -> int:
+    """Index of the first window of ``history`` under its latest conditions (0 where they never shifted).
+
+    The same replay the policy runs (:func:`recall`): two windows in a row of one config that left its
+    earlier windows the same way start new conditions.
+    """
+    if not history:
+        return 0
+    windows = [(r.config, r.stats, r.next_config) for r in history]
+    replay = _Replay(windows, Budget(max_workers=UNLIMITED), PolicySettings())
+    for i in range(len(windows)):
+        replay.step(i)
+    return replay.conditions_from
 
 
 def median_rate(history: Sequence[WindowRecord], config: LoaderConfig) -> Optional[WindowRecord]:
-    """The record of ``config`` whose throughput is the median of its windows (the lower one for an even count)."""
-    records = [r for r in history if r.config == config and r.stats.batches > 0]
+    """The record of ``config`` whose throughput is the median of its windows (the lower one for an even count).
+
+    Of its windows under the fit's latest conditions where it ran then (as :func:`best_config` compares it),
+    else of all.
+    """
+    latest = [r for r in history[latest_conditions(history) :] if r.config == config and r.stats.batches > 0]
+    records = latest or [r for r in history if r.config == config and r.stats.batches > 0]
     if not records:
         return None
     middle = statistics.median_low([r.samples_per_s for r in records])
@@ -454,11 +569,35 @@ def is_starved(window: WindowStats, settings: PolicySettings) -> bool:
 def _expected_gain(
     before: LoaderConfig, after: LoaderConfig, seen: WindowStats, budget: Budget, settings: PolicySettings
 ) -> float:
-    """The throughput gain the model of ``before``'s windows predicted for moving to ``after``."""
+    """The throughput gain expected of moving to ``after``, by the model of ``before``'s windows.
+
+    A step up the model expected less than ``min_gain`` of was the measurement's (the loop starved, the CPUs
+    free): it is judged by what the loop's own delivery expected of it.
+    """
     if seen.batches <= 0 or seen.step_mean_s <= 0:
         return 0.0
-    model = PipelineModel.infer(before.num_workers, seen, budget.cpus, settings.burst_stall_fraction)
-    return model.throughput(after.num_workers) / model.throughput(before.num_workers) - 1.0
+    model = PipelineModel.infer(
+        before.num_workers, seen, budget.cpus, settings.burst_stall_fraction, before.prefetch_factor
+    )
+    now = model.throughput(before.num_workers)
+    gain = model.throughput(after.num_workers, after.prefetch_factor) / now - 1.0
+    if gain < settings.min_gain and is_starved(seen, settings):
+        measured = model.measured_throughput(after.num_workers) / model.measured_throughput(before.num_workers)
+        gain = max(gain, measured - 1.0)
+    return gain
+
+
+def _cost_error(windows: Sequence[WindowStats], workers: int) -> float:
+    """Relative standard error of the data side's cost per batch over ``windows`` (0 for fewer than two)."""
+
+    def cost(w: WindowStats) -> float:
+        if w.worker_batch_s is not None:
+            return w.worker_batch_s
+        return w.fetch_wait_mean_s if workers == 0 else workers * (w.fetch_wait_mean_s + w.step_mean_s)
+
+    values = [cost(w) for w in windows if w.batches > 0]
+    mean = sum(values) / len(values) if values else 0.0
+    return _standard_error(values) / mean if mean > 0 else 0.0
 
 
 def _standard_error(values: Sequence[float]) -> float:

@@ -17,43 +17,75 @@ How :func:`decide` thinks, first rule that applies wins:
 2. **New conditions, suspected.** One window unlike the config's earlier ones (a worker's time per
    batch off by more than half, the step time by more than a tenth, or, where the loader cannot say
    what a batch costs, starvation by more than 15 points; each also beyond three standard deviations
-   of the earlier windows and outside all of them; see :func:`~lightning_dltune.core.history.detect_shift`):
-   hold and measure again, since one window is noise (a heavy-tailed cost alone makes lucky and
-   unlucky ones). Two in a row that agree are new conditions (storage slowed, a neighbour took the
-   CPUs): what was learned before them (pooled windows, undone configs, worker and prefetch ceilings,
-   the rebuild count) is dropped (:func:`~lightning_dltune.core.history.recall`) and the rules below
-   judge the new windows alone.
+   of the earlier windows and outside all of them, and a cost only where a typical batch moved too,
+   the workers' p95 time per batch or, with 0 workers, the median fetch: a heavy tail moves the mean
+   alone; see :func:`~lightning_dltune.core.history.detect_shift`): hold and measure again, since one
+   window is noise (a heavy-tailed cost alone makes lucky and unlucky ones). The window that confirms
+   it is short: as many batches as put its mean three standard errors inside half the move
+   (``Decision.confirm_batches``, at least 10 and one per worker, at most a regular window), so a
+   change is answered in about one window. Two in a row that agree are new conditions (storage slowed,
+   a neighbour took the CPUs): what was learned before them (pooled windows, undone configs, worker
+   and prefetch ceilings, the rebuild count) is dropped (:func:`~lightning_dltune.core.history.recall`)
+   and the rules below judge the new windows alone.
 3. **Rebuild cap.** After ``max_rebuilds`` changes under the same conditions, nothing changes any more.
 4. **Judge the last change, on two windows.** More workers or deeper prefetch that lowered throughput
-   by more than ``min_gain``, or a give-back that left the loop starved below the band, is measured
-   again (one window is noise until a second agrees), then undone. If the step itself got more than
-   25 % slower meanwhile, the machine was busy (contention), not necessarily the config: that undo
-   expires after ``RETRY_AFTER_WINDOWS`` (16) windows, doubling each time it repeats. Other undone
-   configs are not tried again under the same conditions. A slower step up of several workers is
-   retried smaller before the CPUs are called saturated: no CPU limit is declared at a count not
-   measured against one worker more.
+   by more than ``min_gain``, or a give-back that left the loop starved below the band or clearly cost
+   speed (utilization down by more than ``min_gain`` and the hysteresis: the step drifts on its own,
+   the utilization does not), is measured again (one window is noise until a second agrees), then
+   undone. If the step itself got more than 25 % slower meanwhile, the machine was busy (contention),
+   not necessarily the config: that undo expires after ``RETRY_AFTER_WINDOWS`` (16) windows, doubling
+   each time it repeats. Other undone configs are not tried again under the same conditions. A slower
+   step up of several workers is retried smaller before the CPUs are called saturated: no CPU limit is
+   declared at a count not measured against one worker more.
 5. **Below the band and starved:** add throughput, sized by the model rather than by doubling. The
-   tuner's loaders measure, inside the workers, the wall and CPU time to make one batch; Little's law
-   gives the workers that feed the step (with ``headroom``, 20 %), so one rebuild lands near the
-   answer. CPU work slows down once workers outnumber the CPUs and waiting on storage does not: a
-   CPU-bound pipeline stops near the core count (*data-bound (CPU saturated)*), an I/O-bound one goes
-   past it (*data-bound (I/O)*). Workers also stop where the model says more would gain less than
-   ``min_gain``, where the last increase gained less than ``min_gain`` although the model expected at
-   least twice that, or at the budget; memory may cap them. Bursty stalls (most fetches find a batch
-   ready, the workers make enough on average) get deeper prefetch instead. Where prefetched batches
-   are a noticeable share (a quarter) of the memory budget, new workers start at prefetch 1: steady
-   starvation needs one batch in flight per worker, and bursts then earn deeper prefetch.
+   tuner's loaders measure, inside the workers, the wall and CPU time to make one batch and its p95;
+   Little's law gives the workers that feed the step (with ``headroom``, 20 %), the p95 adding what
+   in-order delivery costs (the loop waits for the slowest outstanding batch: see
+   :mod:`~lightning_dltune.core.model`), so one rebuild lands near the answer. CPU work slows down once
+   workers outnumber the CPUs and waiting on storage does not: a CPU-bound pipeline stops near the core
+   count, an I/O-bound one goes past it. **The measurement decides:** where the model sees no gain, or
+   stops at the CPUs it counts, yet the CPUs were not measured busy, one step up is measured instead,
+   sized by the loop's own delivery (each worker delivering what it did in the window), if that step
+   is expected to gain twice ``min_gain`` (past the model's CPU limit with an unknown CPU share, one
+   worker at a time). Workers also stop where the last increase gained less than ``min_gain`` although
+   the model (or, for a measured step, the delivery) expected at least twice that, or at the budget;
+   memory may cap them. Bursty stalls (most fetches find a batch ready, the workers make enough on
+   average) get deeper prefetch instead. Where prefetched batches are a noticeable share (a quarter)
+   of the memory budget, new workers start at prefetch 1: steady starvation needs one batch in flight
+   per worker, and bursts then earn deeper prefetch.
 6. **Below the band, not starved:** *compute-bound*; more workers cannot help, nothing changes.
 7. **Above the band:** the data side has slack, and slack costs processes and memory: give all of it
-   back in one step, the fewest workers the model says keep utilization at the band's top and, where
-   the queue never ran dry, prefetch back to the default of 2. Never down to a config that was starved
-   under today's conditions, and only on two windows' evidence (slack costs CPU and RAM, starving
-   costs throughput; one lucky window of a heavy-tailed cost is not slack).
-8. **In the band**, or not clearly outside it: hold.
+   back in one step, the fewest workers the model says keep utilization at the band's top by the
+   hysteresis and lose at most half of ``min_gain`` (judged at a cost two standard errors above the
+   windows' mean, and against the best utilization measured under today's conditions, so give-backs
+   in a row do not add up) and, where the queue never ran dry, prefetch back to the default of 2.
+   Never down to a config that was starved under today's conditions, nor to one a step up paid to
+   leave, and only on two windows' evidence (slack costs CPU and RAM, starving costs throughput; one
+   lucky window of a heavy-tailed cost is not slack).
+8. **In the band**, or not clearly outside it: hold, with three exceptions. Window after window below
+   the band's low edge (four or more pooled, below it by twice their standard error) adds throughput
+   as in 5 where the step is expected to gain twice ``min_gain``. At the worker budget and starved,
+   bursty stalls earn deeper prefetch as in 5. And where the loader measured a batch's cost and CPU
+   share and the model explains the window (it does not see more throughput than was measured), the
+   fewest workers that keep the same throughput by the rules of 7 (without the band's top) are the
+   leanest config: workers the CPUs cannot carry go, on two windows' evidence.
+
+**Verdicts follow the numbers.** *Data-bound (CPU saturated)* needs CPU evidence: the workers' measured
+CPU use (batches per second x their wall time per batch x its CPU share) plus the training process's
+(measured, else a whole CPU) at 85 % of the usable CPUs or more; measured steps that stopped paying
+(a ceiling) and undone slower steps up count as evidence too, and so does, where the loader cannot say
+its CPU share, the model's CPU limit once one more worker could not show its gain. Without evidence a
+data-bound window is *data-bound (I/O)*. No window above the band is data-bound, whatever a rule
+concluded: it is *compute-bound* (or *in band* where it still waited on data).
 
 Noise: a config is judged on its last windows in a row pooled together (up to eight), and "clearly
 outside" means beyond the band by ``hysteresis`` (0.02) plus the standard error of those windows'
 utilization (twice that above the band), so a config sitting at an edge does not flip back and forth.
+
+The best config (:func:`~lightning_dltune.core.history.best_config`: the end-of-fit table and the
+recommendation) is the leanest whose median window throughput under the fit's latest conditions is
+within ``min_gain`` of the best median there: never slower than a config measured under the same
+conditions by more than ``min_gain``.
 """
 
 from __future__ import annotations
@@ -63,8 +95,8 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.history import ChangeKind, FitHistory, is_starved, recall, resources
-from lightning_dltune.core.model import UNLIMITED, PipelineModel, batches_allowed, prefetch_bytes
+from lightning_dltune.core.history import ChangeKind, FitHistory, change_kind, is_starved, recall, resources
+from lightning_dltune.core.model import UNLIMITED, PipelineModel, batches_allowed, cores_used, prefetch_bytes
 from lightning_dltune.core.records import (
     Budget,
     Decision,
@@ -83,6 +115,8 @@ _DRY_QUEUE = 0.05  # prefetch is given back only where at most this fraction of 
 
 _BURSTY_UNKNOWN = 0.25  # where the loader cannot say what a batch costs, bursts explain at most this starvation
 _HEAVY_MEMORY_SHARE = 0.25  # prefetched batches holding more than this share of the memory budget are a cost
+_EDGE_WINDOWS = 4  # windows pooled below the band's low edge (within the hysteresis) that are no noise
+_SATURATED = 0.85  # CPU use (production plus the training process) past this share of the usable CPUs: saturated
 
 _Rule = tuple[LoaderConfig, Verdict, Reason]
 
@@ -122,7 +156,22 @@ def decide(
         reason = replace(reason, values={**reason.values, "budget_allows": pair(clamped)})
     if fit.shift is not None:
         reason = replace(reason, values={**reason.values, "shift": (fit.shift.signal, fit.shift.before, fit.shift.now)})
-    return Decision(config=config, verdict=verdict, reason=reason, best=fit.best, judged_util=fit.seen.utilization)
+    confirm = fit.confirm_batches if reason.kind is ReasonKind.SHIFT_SUSPECTED else None
+    return Decision(
+        config=config,
+        verdict=_consistent(verdict, stats, settings),
+        reason=reason,
+        best=fit.best,
+        judged_util=fit.seen.utilization,
+        confirm_batches=confirm,
+    )
+
+
+def _consistent(verdict: Verdict, stats: WindowStats, settings: PolicySettings) -> Verdict:
+    """The verdict, unless the window's own utilization contradicts it: no window above the band is data-bound."""
+    if verdict in (Verdict.DATA_BOUND_IO, Verdict.DATA_BOUND_CPU) and stats.utilization > settings.band[1]:
+        return Verdict.COMPUTE_BOUND if stats.starvation_ratio < settings.min_starvation else Verdict.IN_BAND
+    return verdict
 
 
 def clamp_to_budget(
@@ -184,16 +233,21 @@ def _apply_rules(
     if stats.batches <= 0 or stats.step_mean_s <= 0:
         return current, Verdict.IN_BAND, Reason(ReasonKind.NOTHING_MEASURED)
 
-    model = PipelineModel.infer(current.num_workers, stats, budget.cpus, settings.burst_stall_fraction)
-    # CPU-heavy production is CPU-bound; unknown production counts as I/O until the CPUs are shown saturated
-    data_verdict = Verdict.DATA_BOUND_CPU if model.cpu_known and model.cpu_share >= 0.5 else Verdict.DATA_BOUND_IO
-    case = _Case(current, stats, budget, fit, settings, model, data_verdict)
+    model = PipelineModel.infer(
+        current.num_workers, stats, budget.cpus, settings.burst_stall_fraction, current.prefetch_factor
+    )
+    # CPU saturation is a measurement, not the model's belief: production's and the training process's CPU use
+    # near the usable CPUs. Without it a data-bound window counts as I/O-bound
+    used = cores_used(stats, current.num_workers)
+    cpu_bound = used is not None and used >= _SATURATED * budget.cpus
+    data_verdict = Verdict.DATA_BOUND_CPU if cpu_bound else Verdict.DATA_BOUND_IO
+    case = _Case(current, stats, budget, fit, settings, model, data_verdict, latest or stats)
     return (
         _over_budget(case)
         or _suspected_shift(case)
         or _rebuild_cap(case)
         or _judge_last_change(case)
-        or _against_the_band(case, latest or stats)
+        or _against_the_band(case, case.latest)
     )
 
 
@@ -207,12 +261,25 @@ class _Case:
     fit: FitHistory
     settings: PolicySettings
     model: PipelineModel
-    data_verdict: Verdict  # a data-bound window's verdict: CPU saturated where production is CPU-heavy, else I/O
+    data_verdict: Verdict  # a data-bound window's verdict: CPU saturated where the CPUs were measured busy, else I/O
+    latest: WindowStats  # the window just measured, on its own
+
+    @property
+    def cpu_bound(self) -> bool:
+        """Whether the window's CPU use was measured near the usable CPUs."""
+        return self.data_verdict is Verdict.DATA_BOUND_CPU
 
     @property
     def held(self) -> Verdict:
         """The verdict of a hold that no rule explains better: the window's own diagnosis."""
         return _window_verdict(self.stats, self.settings, self.data_verdict)
+
+    def allowed(self, config: LoaderConfig) -> bool:
+        """Not undone recently, nor down to (or below) a config starved under today's conditions or one that a
+        step up paid to leave (going back there would undo a step that paid: ping-pong)."""
+        w, p = resources(config)
+        below = (*self.fit.starved, *self.fit.outgrown)
+        return config not in self.fit.rejected and not any(w <= sw and p <= sp for sw, sp in below)
 
 
 def _over_budget(case: _Case) -> Optional[_Rule]:
@@ -247,7 +314,7 @@ def _suspected_shift(case: _Case) -> Optional[_Rule]:
     """2. One window unlike the config's earlier ones: noise (a heavy tail) or new conditions; hold.
 
     Acting on it pooled with the old windows would size from a blend, and judging a change against them
-    would blame the config.
+    would blame the config. The next window only confirms: :func:`decide` asks for a short one.
     """
     shift = case.fit.suspect
     if shift is None:
@@ -277,8 +344,8 @@ def _rebuild_cap(case: _Case) -> Optional[_Rule]:
 
 
 def _judge_last_change(case: _Case) -> Optional[_Rule]:
-    """4. A step up that made it slower, or a give-back that starved the loop: measured again, then undone."""
-    current, stats, settings, data_verdict = case.current, case.stats, case.settings, case.data_verdict
+    """4. A step up that made it slower, or a give-back that starved the loop or cost speed: measured again, undone."""
+    current, stats, settings = case.current, case.stats, case.settings
     last = case.fit.last_change
     # going back must itself fit today's budget (a change forced by the budget is not undone)
     can_go_back = (
@@ -303,17 +370,24 @@ def _judge_last_change(case: _Case) -> Optional[_Rule]:
         more_workers = last.kind is ChangeKind.MORE_WORKERS
         verdict = Verdict.DATA_BOUND_CPU if more_workers else case.held
         return last.before, verdict, Reason(ReasonKind.UNDO_SLOWER, {**numbers, "windows": last.windows})
-    if last.kind is ChangeKind.GIVE_BACK and is_starved(stats, settings):
+    starved = is_starved(stats, settings)
+    # a give-back keeps the data side's speed (the utilization: the step drifts on its own): undone where it clearly
+    # lost more than `min_gain` of it (by the hysteresis too: the model aims at half of it), unless the step itself
+    # slowed meanwhile
+    slower = last.util_gain < -(settings.min_gain + settings.hysteresis) and not last.contention
+    if last.kind is ChangeKind.GIVE_BACK and (starved or slower):
         numbers = {
             "config": pair(current),
             "util": stats.utilization,
             "low": settings.band[0],
             "starvation": stats.starvation_ratio,
             "to": pair(last.before),
+            "gain": last.util_gain,
         }
+        verdict = case.data_verdict if starved else case.held
         if not last.confirmed:
-            return current, data_verdict, Reason(ReasonKind.CONFIRM_STARVED, numbers)
-        return last.before, data_verdict, Reason(ReasonKind.UNDO_GIVE_BACK, numbers)
+            return current, verdict, Reason(ReasonKind.CONFIRM_STARVED, numbers)
+        return last.before, verdict, Reason(ReasonKind.UNDO_GIVE_BACK, numbers)
     return None
 
 
@@ -324,7 +398,7 @@ def _against_the_band(case: _Case, latest: WindowStats) -> _Rule:
     band: slack costs only CPU and RAM, starving costs throughput), so that a config sitting near an edge
     does not flip on noise.
     """
-    current, stats, fit, settings, model = case.current, case.stats, case.fit, case.settings, case.model
+    current, stats, fit, settings = case.current, case.stats, case.fit, case.settings
     low, high = settings.band
     util, starvation = stats.utilization, stats.starvation_ratio
     if util < low - settings.hysteresis - fit.util_error:
@@ -335,25 +409,28 @@ def _against_the_band(case: _Case, latest: WindowStats) -> _Rule:
                 Reason(ReasonKind.COMPUTE_BOUND, {"util": util, "starvation": starvation}),
             )
         return _add_throughput(case)
-    if util > high + settings.hysteresis + 2 * fit.util_error:
-        return _give_back(current, stats, fit, settings, model)
-    if _slack_the_estimate_hides(case, latest):
-        return _give_back(current, stats, fit, settings, model)
+    if util > high + settings.hysteresis + 2 * fit.util_error or _slack_the_estimate_hides(case, latest):
+        return _give_back(case)
     return (
-        current,
-        Verdict.IN_BAND,
-        Reason(
-            ReasonKind.IN_BAND,
-            {
-                "util": util,
-                "windows": fit.windows,
-                "low": low,
-                "high": high,
-                "inside": low <= util <= high,
-                "starvation": starvation,
-                "config": pair(current),
-            },
-        ),
+        _below_the_edge(case)
+        or _deeper_at_the_budget(case)
+        or _leaner_in_band(case)
+        or (
+            current,
+            Verdict.IN_BAND,
+            Reason(
+                ReasonKind.IN_BAND,
+                {
+                    "util": util,
+                    "windows": fit.windows,
+                    "low": low,
+                    "high": high,
+                    "inside": low <= util <= high,
+                    "starvation": starvation,
+                    "config": pair(current),
+                },
+            ),
+        )
     )
 
 
@@ -413,7 +490,7 @@ def _deeper_prefetch(case: _Case, starved: dict) -> Optional[_Rule]:
     """Bursty: the workers make enough on average, yet some fetches wait: deeper prefetch absorbs bursts."""
     current, stats, fit, settings, model = case.current, case.stats, case.fit, case.settings, case.model
     workers, prefetch = current.num_workers, current.prefetch_factor
-    capacity_ratio = model.capacity(workers) / model.demand if workers else 0.0
+    capacity_ratio = model.mean_capacity(workers) / model.demand if workers else 0.0
     # (where the loader cannot say what a batch costs, workers that finish together also leave most fetches a
     # batch ready: only a loop that waits less than a quarter of its time is taken for bursty then)
     bursty = (
@@ -449,55 +526,80 @@ def _deeper_prefetch(case: _Case, starved: dict) -> Optional[_Rule]:
 
 
 def _more_workers(case: _Case, starved: dict) -> _Rule:
-    """Steady: Little's law says how many workers keep up with the step, plus headroom."""
-    current, stats, budget, fit, model = case.current, case.stats, case.budget, case.fit, case.model
-    settings, data_verdict = case.settings, case.data_verdict
+    """Steady: Little's law says how many workers keep up with the step, plus headroom.
+
+    Where the model sees no gain (or stops at the CPUs it believes busy) but the CPUs were measured far from
+    busy, the loop's own delivery sizes one step up instead: the measurement decides.
+    """
+    current, budget, fit, model, settings = case.current, case.budget, case.fit, case.model, case.settings
     workers = current.num_workers
-    cpu_limit = model.cpu_limit()
     ceiling = fit.worker_ceiling if fit.worker_ceiling is not None else UNLIMITED
-    limit = min(budget.max_workers, cpu_limit, ceiling)
+    reach = min(budget.max_workers, ceiling)  # the most workers a measured step may try
+    limit = min(reach, model.cpu_limit())  # the most the model sizes for
     cost = {"batch_s": model.batch_mean_s, "step_s": model.step_mean_s}
     if workers >= limit:
         return _at_worker_limit(case, starved, cost, limit, ceiling)
     wanted = model.workers_for(settings.headroom * model.demand, workers + 1, limit) or limit
     wanted = max(wanted, workers + 1)
     gain = model.throughput(wanted) / model.throughput(workers) - 1.0
-    if gain < settings.min_gain:
-        # contention eats what more workers would add: the model already says they cannot help
-        return (
-            current,
-            Verdict.DATA_BOUND_CPU,
-            Reason(
-                ReasonKind.NO_MODELLED_GAIN, {**starved, **cost, "wanted": wanted, "gain": gain, "cpus": budget.cpus}
-            ),
-        )
+    if gain >= settings.min_gain:
+        return _step_up(case, starved, cost, wanted)
+    measured = None if case.cpu_bound else _measured_step(case, starved, cost, reach)
+    # contention eats what more workers would add: the model says they cannot help (and the CPUs agree)
+    return measured or (
+        current,
+        _modelled_cpu_verdict(case),
+        Reason(ReasonKind.NO_MODELLED_GAIN, {**starved, **cost, "wanted": wanted, "gain": gain, "cpus": budget.cpus}),
+    )
+
+
+def _measured_step(case: _Case, starved: dict, cost: dict, reach: int) -> Optional[_Rule]:
+    """A step up sized by the loop's delivery (each worker delivering what it did), for the gain check to judge.
+
+    Past the model's CPU limit, where production's CPU share is unknown (it counts as CPU work), one worker
+    at a time: a CPU-bound pipeline there pays for a bigger step in contention. ``None`` where the step is
+    expected to gain less than twice ``min_gain``: no window could tell that gain from noise.
+    """
+    model, workers = case.model, case.current.num_workers
+    wanted = model.measured_step(case.settings.headroom)
+    if not model.cpu_known:
+        wanted = min(wanted, max(workers + 1, model.cpu_limit()))
+    wanted = min(wanted, reach)
+    expected = model.measured_throughput(wanted) / model.measured_throughput(workers) - 1.0
+    if wanted <= workers or expected < 2 * case.settings.min_gain:
+        return None
+    return _step_up(case, starved, cost, wanted, sized_by="delivery")
+
+
+def _modelled_cpu_verdict(case: _Case) -> Verdict:
+    """The verdict of a hold at the CPUs the model counts: CPU saturated where measured busy, or where the loader
+    cannot say its CPU share (the model counts it as CPU work, and one more worker could not show its gain)."""
+    return Verdict.DATA_BOUND_CPU if case.cpu_bound or not case.model.cpu_known else case.data_verdict
+
+
+def _step_up(case: _Case, starved: dict, cost: dict, wanted: int, sized_by: str = "model") -> _Rule:
+    """To ``wanted`` workers, within the memory budget and past undone configs."""
+    current, stats, budget, fit, settings = case.current, case.stats, case.budget, case.fit, case.settings
+    workers = current.num_workers
     target, why = clamp_to_budget(current.replace(num_workers=wanted), stats.batch_bytes, budget, settings)
     while target in fit.rejected and target.num_workers > workers:
         target = target.replace(num_workers=target.num_workers - 1)
     if target.num_workers <= workers:
         if why == "memory":
             return _memory_capped_hold(case, starved, wanted)
-        return current, data_verdict, Reason(ReasonKind.MORE_WORKERS_UNDONE, {**starved, **cost})
+        return current, case.data_verdict, Reason(ReasonKind.MORE_WORKERS_UNDONE, {**starved, **cost})
     if why == "memory" and target.num_workers < wanted:
         return _memory_capped_workers(case, starved, wanted, target)
     target = _light_prefetch(target, stats.batch_bytes, budget)
-    verdict = data_verdict
-    if target.num_workers == cpu_limit and model.capacity(target.num_workers) < model.demand:
-        verdict = Verdict.DATA_BOUND_CPU  # the most the CPUs carry still falls short
-    return (
-        target,
-        verdict,
-        Reason(
-            ReasonKind.MORE_WORKERS,
-            {
-                **starved,
-                **cost,
-                "to_workers": target.num_workers,
-                "prefetch": current.prefetch_factor,
-                "to_prefetch": target.prefetch_factor,
-            },
-        ),
-    )
+    numbers = {
+        **starved,
+        **cost,
+        "to_workers": target.num_workers,
+        "prefetch": current.prefetch_factor,
+        "to_prefetch": target.prefetch_factor,
+        "sized_by": sized_by,
+    }
+    return target, case.data_verdict, Reason(ReasonKind.MORE_WORKERS, numbers)
 
 
 def _memory_capped_hold(case: _Case, starved: dict, wanted: int) -> _Rule:
@@ -516,9 +618,13 @@ def _memory_capped_workers(case: _Case, starved: dict, wanted: int, target: Load
 
 
 def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling: int) -> _Rule:
-    """Already at the most workers: the ceiling more workers met before, the CPUs' saturation, or the budget."""
+    """Already at the most workers: the ceiling more workers met before, the CPUs' saturation, or the budget.
+
+    The model's CPU limit holds only where the CPUs were measured busy; else one step past it is measured.
+    """
     current, fit, model = case.current, case.fit, case.model
     workers, cpu_limit = current.num_workers, model.cpu_limit()
+    reach = min(case.budget.max_workers, ceiling)
     cpus = {"cpus": case.budget.cpus, "cpu_share": model.cpu_share}
     if limit == ceiling:
         return (
@@ -526,16 +632,21 @@ def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling
             Verdict.DATA_BOUND_CPU,
             Reason(ReasonKind.AT_WORKER_CEILING, {**starved, "ceiling": fit.worker_ceiling}),
         )
-    if limit == cpu_limit:
-        fewer = current.replace(num_workers=cpu_limit)
-        if workers > cpu_limit and fewer not in fit.rejected:
-            # past saturation extra workers only hold memory and fight over the cores
-            return (
-                fewer,
-                Verdict.DATA_BOUND_CPU,
-                Reason(ReasonKind.OVERSUBSCRIBED, {**starved, **cpus, "to_workers": cpu_limit}),
-            )
-        return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.CPUS_SATURATED, {**starved, **cpus})
+    measured = None
+    if limit == cpu_limit and not case.cpu_bound and workers < reach:
+        measured = _measured_step(case, starved, cost, reach)
+    if measured is not None or limit != cpu_limit:
+        return measured or (current, case.data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost}))
+    fewer = current.replace(num_workers=cpu_limit)
+    if case.cpu_bound and workers > cpu_limit and case.allowed(fewer):
+        # past saturation extra workers only hold memory and fight over the cores
+        return (
+            fewer,
+            Verdict.DATA_BOUND_CPU,
+            Reason(ReasonKind.OVERSUBSCRIBED, {**starved, **cpus, "to_workers": cpu_limit}),
+        )
+    if case.cpu_bound or workers >= reach or not model.cpu_known:
+        return current, _modelled_cpu_verdict(case), Reason(ReasonKind.CPUS_SATURATED, {**starved, **cpus})
     return current, case.data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost})
 
 
@@ -552,57 +663,26 @@ def _light_prefetch(target: LoaderConfig, batch_bytes: Optional[int], budget: Bu
     return target
 
 
-def _give_back(
-    current: LoaderConfig, stats: WindowStats, fit: FitHistory, settings: PolicySettings, model: PipelineModel
-) -> _Rule:
-    high = settings.band[1]
+def _give_back(case: _Case) -> _Rule:
+    """7. Above the band: the fewest workers (and, where the queue never ran dry, prefetch back to the default)
+    the model says keep the band's top and the throughput, on two windows' evidence."""
+    current, stats, fit = case.current, case.stats, case.fit
     util, starvation = stats.utilization, stats.starvation_ratio
     workers, prefetch = current.num_workers, current.prefetch_factor
-    verdict = Verdict.COMPUTE_BOUND if starvation < settings.min_starvation else Verdict.IN_BAND
+    verdict = Verdict.COMPUTE_BOUND if starvation < case.settings.min_starvation else Verdict.IN_BAND
     seen = {"util": util, "windows": fit.windows, "starvation": starvation}
     # slack costs only CPU and RAM, starving costs throughput: give back on two windows' evidence, not one
     confirmed = fit.windows >= 2
-
-    def allowed(config: LoaderConfig) -> bool:
-        # never back to a config that was undone, nor down to one that was starved before
-        w, p = resources(config)
-        return config not in fit.rejected and not any(w <= sw and p <= sp for sw, sp in fit.starved)
-
     # prefetch deeper than the DataLoader's default only absorbs bursts, and there is no model for those: it goes
     # back to the default in one notch only where the queue hardly ever ran dry and the loop hardly waited, on
     # confirmed slack (it saves memory only: no hurry)
     queue_idle = stats.stall_fraction <= _DRY_QUEUE and starvation <= _DRY_QUEUE / 5
     shallower = min(prefetch, _DEFAULT_PREFETCH) if workers and queue_idle and confirmed else prefetch
-
-    def keeps_band(predicted: float) -> bool:
-        # on confirmed slack only: one lucky window (no slow batch of a heavy tail in it) is not slack; then down
-        # to the band's top (a model a few points off still keeps the band)
-        return confirmed and predicted >= high
-
-    # all the slack the model sees goes back in one step (workers and, where idle, prefetch): slack costs
-    # processes and memory for nothing
-    now = model.throughput(workers)
-    for fewer in range(0, workers):
-        candidate = current.replace(num_workers=fewer, prefetch_factor=shallower if fewer else prefetch)
-        predicted = util * model.throughput(fewer) / now
-        if keeps_band(predicted) and allowed(candidate):
-            return (
-                candidate,
-                verdict,
-                Reason(
-                    ReasonKind.GIVE_BACK_WORKERS,
-                    {
-                        **seen,
-                        "workers": workers,
-                        "to_workers": fewer,
-                        "predicted": min(predicted, 1.0),
-                        "prefetch": prefetch,
-                        "to_prefetch": candidate.prefetch_factor,
-                    },
-                ),
-            )
+    leaner = _leanest_keeping(case, shallower, above=True) if confirmed else None
+    if leaner is not None:
+        return leaner[0], verdict, _give_back_reason(case, leaner, seen)
     candidate = current.replace(prefetch_factor=shallower)
-    if shallower < prefetch and allowed(candidate):
+    if shallower < prefetch and case.allowed(candidate):
         return (
             candidate,
             verdict,
@@ -610,6 +690,116 @@ def _give_back(
         )
     if not confirmed and workers and prefetch > _DEFAULT_PREFETCH and queue_idle:
         return current, verdict, Reason(ReasonKind.SLACK_UNCONFIRMED, seen)
-    if not confirmed and workers and allowed(current.replace(num_workers=workers - 1)):
+    if not confirmed and workers and case.allowed(current.replace(num_workers=workers - 1)):
         return current, verdict, Reason(ReasonKind.SLACK_UNCONFIRMED, seen)
     return current, verdict, Reason(ReasonKind.LEANEST, {**seen, "config": pair(current)})
+
+
+def _below_the_edge(case: _Case) -> Optional[_Rule]:
+    """8. Below the band within the hysteresis, window after window: add throughput where it clearly pays.
+
+    The hysteresis keeps noise at the edge from flipping a config; several windows pooled below the band's
+    low edge by twice their standard error are no noise. Only a step the model (or the loop's delivery)
+    expects to gain twice ``min_gain`` is taken, one the gain check can judge.
+    """
+    stats, fit, settings, model = case.stats, case.fit, case.settings, case.model
+    low = settings.band[0]
+    if fit.windows < _EDGE_WINDOWS or stats.utilization >= low - 2 * fit.util_error:
+        return None
+    if stats.starvation_ratio < settings.min_starvation:
+        return None
+    rule = _add_throughput(case)
+    config = rule[0]
+    if config == case.current or change_kind(case.current, config) not in (
+        ChangeKind.MORE_WORKERS,
+        ChangeKind.MORE_PREFETCH,
+    ):
+        return None
+    now = model.throughput(case.current.num_workers)
+    expected = max(model.throughput(config.num_workers, config.prefetch_factor) / now, 1.0) - 1.0
+    if config.num_workers > case.current.num_workers:
+        expected = max(expected, model.measured_throughput(config.num_workers) / model.rate - 1.0)
+    return rule if expected >= 2 * settings.min_gain else None
+
+
+def _deeper_at_the_budget(case: _Case) -> Optional[_Rule]:
+    """8. In the band but starved, at the most workers the budget allows: deeper prefetch where stalls are bursts.
+
+    More workers are not the answer there, and with a spread of batch times the loop waits for the slowest
+    outstanding one: batches held ahead absorb it (on two windows' evidence; the gain check judges the step).
+    """
+    current, stats, fit = case.current, case.stats, case.fit
+    if fit.windows < 2 or current.num_workers < case.budget.max_workers:
+        return None
+    if stats.starvation_ratio < case.settings.min_starvation:
+        return None
+    starved = {"starvation": stats.starvation_ratio, "windows": fit.windows, "workers": current.num_workers}
+    return _deeper_prefetch(case, starved)
+
+
+def _leaner_in_band(case: _Case) -> Optional[_Rule]:
+    """8. In the band: fewer workers where the model says they keep the same throughput (on two windows).
+
+    Only where the loader measured what a batch costs and its CPU share: a cost inferred from the loop's clock
+    (CPU work where unknown) says fewer workers contend less, a guess that is no evidence for giving back.
+    """
+    stats, model, settings = case.stats, case.model, case.settings
+    if case.fit.windows < 2 or case.current.num_workers == 0 or stats.worker_batch_s is None:
+        return None
+    # and only where the model explains the window: one that sees no starvation in a starved loop is off
+    if not model.cpu_known or model.throughput(case.current.num_workers) > (1 + settings.min_gain / 2) * model.rate:
+        return None
+    leaner = _leanest_keeping(case, case.current.prefetch_factor, above=False)
+    if leaner is None:
+        return None
+    seen = {"util": stats.utilization, "windows": case.fit.windows, "starvation": stats.starvation_ratio}
+    return leaner[0], Verdict.IN_BAND, _give_back_reason(case, leaner, seen)
+
+
+def _leanest_keeping(case: _Case, prefetch: int, above: bool) -> Optional[tuple[LoaderConfig, float]]:
+    """The fewest workers (at ``prefetch``) the model says keep the throughput, and the utilization predicted.
+
+    Keeping means losing at most half of ``min_gain`` by the model (the confirming windows undo a give-back
+    that clearly lost ``min_gain``: the margin keeps that from being a coin toss), also against the best
+    utilization measured under today's conditions or in the latest window (give-backs in a row do not add up,
+    and a config's first window, its workers starting, does not lower the bar), and, from above the
+    band, staying above the band's top by the hysteresis (a model a few points off still keeps the band). Never
+    a config undone, nor one at or below a config starved today.
+    """
+    current, stats, model, settings = case.current, case.stats, case.model, case.settings
+    workers = current.num_workers
+    now = model.throughput(workers)
+    keep = 1.0 - settings.min_gain / 2
+    best = max(stats.utilization, case.latest.utilization, case.fit.best_util)
+    # the fewer workers are judged at a cost two standard errors above the windows' mean: a lucky pair of windows
+    # (production that drifted fast) is not slack
+    doubt = 1.0 + 2.0 * case.fit.cost_error
+    cautious = replace(model, cpu_s=model.cpu_s * doubt, io_s=model.io_s * doubt)
+    for fewer in range(0, workers):
+        candidate = current.replace(num_workers=fewer, prefetch_factor=prefetch if fewer else current.prefetch_factor)
+        kept = cautious.throughput(fewer, candidate.prefetch_factor) / now
+        predicted = stats.utilization * kept
+        if kept < keep or predicted < keep * best or (above and predicted < settings.band[1] + settings.hysteresis):
+            continue
+        if case.allowed(candidate):
+            return candidate, predicted
+    return None
+
+
+def _give_back_reason(case: _Case, leaner: tuple[LoaderConfig, float], seen: dict) -> Reason:
+    config, predicted = leaner
+    current = case.current
+    if config.num_workers == current.num_workers:
+        return Reason(
+            ReasonKind.GIVE_BACK_PREFETCH,
+            {**seen, "prefetch": current.prefetch_factor, "to_prefetch": config.prefetch_factor},
+        )
+    numbers = {
+        **seen,
+        "workers": current.num_workers,
+        "to_workers": config.num_workers,
+        "predicted": min(predicted, 1.0),
+        "prefetch": current.prefetch_factor,
+        "to_prefetch": config.prefetch_factor,
+    }
+    return Reason(ReasonKind.GIVE_BACK_WORKERS, numbers)

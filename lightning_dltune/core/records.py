@@ -243,11 +243,14 @@ EpochRecord = WindowRecord  # the name of releases up to 0.1, when every window 
 
 @dataclass(frozen=True)
 class Decision:
-    """The policy's answer for one window: the next config, the verdict, why, the best config seen, and the
-    utilization the verdict judged (the current config's recent windows pooled)."""
+    """The policy's answer for one window: the next config, the verdict, why, the best config seen, the
+    utilization the verdict judged (the current config's recent windows pooled), and, where the next window
+    only confirms what this one suspected (new conditions), the batches that are enough for it (``None``: a
+    regular window; see :meth:`~lightning_dltune.core.windows.WindowSchedule.length_after`)."""
 
     config: LoaderConfig
     verdict: Verdict
     reason: Reason
     best: Optional[LoaderConfig] = None
     judged_util: Optional[float] = None
+    confirm_batches: Optional[int] = None

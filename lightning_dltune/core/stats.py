@@ -75,6 +75,8 @@ class WindowStats:
         startup_s: time spent starting loader iterators/workers and filling the pipeline.
         worker_batch_s: mean wall time a loader worker took to produce one batch (fetch samples and
             collate), measured inside the workers; ``None`` where the loader cannot say.
+        worker_batch_p95_s: the 95th percentile of that wall time per batch (its spread: the loop takes
+            batches in order, so it waits for the slowest one outstanding); ``None`` where unknown.
         worker_cpu_fraction: CPU time / wall time of that production (near 1: CPU-bound decode;
             near 0: waiting on storage); ``None`` where unknown.
         batch_bytes: bytes of one collated batch (tensors only); ``None`` where unknown.
@@ -102,6 +104,7 @@ class WindowStats:
     gpu_util: Optional[float] = stat(None, Pool.MEAN, Reduce.MIN)  # the least busy device is the job's
     util_source: UtilSource = stat(UtilSource.ESTIMATE, Pool.LATEST, Reduce.MIN)
     main_cpu_fraction: Optional[float] = stat(None, Pool.MEAN, Reduce.MAX)  # the busiest training process
+    worker_batch_p95_s: Optional[float] = stat(None, Pool.MEAN, Reduce.WORST)  # same conditions: p95s average
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "util_source", UtilSource(self.util_source))

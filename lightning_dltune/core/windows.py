@@ -4,7 +4,8 @@ A window holds at least ``window_batches`` batches and ``window_seconds`` second
 pace; the fit's first one is shorter (``first_batches``: judge the start config early). Windows close
 anywhere in an epoch and at every epoch end; an epoch's last window takes the tail when the tail would
 be shorter than half a window. A window longer than ``window_batches`` also *looks* every
-``window_batches`` batches (the callback closes it early there when conditions changed).
+``window_batches`` batches (the callback closes it early there when conditions changed). A window that
+only confirms a suspected change is as short as the decision says is enough (``length_after``).
 
 Every input is the same on every DDP rank (the epoch's length, the broadcast length of the next
 window), so every rank closes the same window at the same batch index.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 from lightning_dltune.core.stats import WindowStats
 
@@ -47,11 +49,19 @@ class WindowSchedule:
     def __post_init__(self) -> None:
         self.next_length = self.first_batches or self.window_batches
 
-    def length_after(self, stats: WindowStats) -> int:
-        """The next window's batches after ``stats``: ``window_seconds`` at its pace, at least ``window_batches``."""
+    def length_after(self, stats: WindowStats, confirm_batches: Optional[int] = None) -> int:
+        """The next window's batches after ``stats``: ``window_seconds`` at its pace, at least ``window_batches``.
+
+        ``confirm_batches``: the decision only asks the next window to confirm what ``stats`` suspected (new
+        conditions, :attr:`~lightning_dltune.core.records.Decision.confirm_batches`): that many batches are
+        enough (at least one, at most a regular window), so a change is answered in about one window.
+        """
         per_batch = (stats.fetch_wait_total_s + stats.step_total_s) / max(stats.batches, 1)
         by_time = math.ceil(self.window_seconds / per_batch) if per_batch > 0 else 0
-        return max(self.window_batches, min(by_time, _MOST_BATCHES))
+        regular = max(self.window_batches, min(by_time, _MOST_BATCHES))
+        if confirm_batches is not None:
+            return max(1, min(confirm_batches, regular))
+        return regular
 
     def open(self, first_batch: int, epoch_batches: float, mid_epoch: bool, seen: bool, looks: bool = False) -> None:
         """A window opens at batch index ``first_batch`` of an epoch of ``epoch_batches`` (``inf``: unknown).

@@ -19,8 +19,12 @@ does not already assume.
   ``step_slowdown`` (a scenario's way to say that a busy host slows the training process's own step too).
 * ``W = 0``: the training process makes each batch inside the fetch, sharing the cores with ``busy_cores``.
 * Noise: each window draws one drift for production and one for the step, and each batch jitters on
-  top; both uniform within ``+-noise``. ``step_jitter`` adds a per-batch step jitter of its own
-  (uniform within ``+-step_jitter``, from its own random stream: the other draws do not move).
+  top; both uniform within ``+-noise``. ``spread`` gives a batch's production cost a spread of its own
+  (log-normal, mean 1, ``spread`` its coefficient of variation, from its own random stream): storage
+  latency that varies batch to batch, which the loop meets in order (it waits for the slowest
+  outstanding batch while the workers' other batches sit ready). ``step_jitter`` adds a per-batch step
+  jitter of its own (uniform within ``+-step_jitter``, from its own random stream: the other draws do
+  not move).
 
 It measures the window as the callback does: per-batch fetch waits (the first fetch is start-up, not
 wait), step times, stalls (the batch was not ready when asked), queue depth (ready batches not yet
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 import random
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -65,6 +70,8 @@ class Pipeline:
         step_jitter: relative per-batch jitter of the step alone (``0.3`` is +-30 %), independent of ``noise``.
         busy_cores: other processes competing for the cores all the time (a CPU hog is ``1.0``).
         step_slowdown: factor on every step (contention slowing the training process itself).
+        spread: coefficient of variation of each batch's production cost (``0.4``: a log-normal factor of
+            mean 1 and standard deviation 0.4), independent of ``noise``; ``0``: none.
     """
 
     cpu_s: float
@@ -82,6 +89,7 @@ class Pipeline:
     step_jitter: float = 0.0
     busy_cores: float = 0.0
     step_slowdown: float = 1.0
+    spread: float = 0.0
 
     @property
     def cpu_share(self) -> float:
@@ -99,6 +107,33 @@ class Pipeline:
             replace(self, noise=0.0, step_jitter=0.0), config.num_workers, config.prefetch_factor, float(cores)
         )
 
+    def running_samples_per_s(self, config: LoaderConfig, cores: float, batches: int = 2000) -> float:
+        """Training samples per second of ``config`` running on (a warm loader, no start-up), noise-free.
+
+        What a config delivers in the long run, the spread and in-order delivery kept: the yardstick of the
+        best static config at many workers, where a window that starts the loader is mostly pipeline fill.
+        """
+        return _running_rate(
+            replace(self, noise=0.0, step_jitter=0.0), config.num_workers, config.prefetch_factor, float(cores), batches
+        )
+
+    def best_static(self, cores: float, max_workers: int, prefetch: tuple[int, ...] = (1, 2, 4, 8)) -> float:
+        """The highest :meth:`running_samples_per_s` of a config of at most ``max_workers`` workers.
+
+        Searched on a grid of at most 17 worker counts (every ``max_workers / 16``, and ``max_workers`` itself)
+        at each of ``prefetch``: throughput changes slowly with the worker count near its best.
+        """
+        every = max(1, -(-max_workers // 16))
+        counts = sorted({*range(0, max_workers + 1, every), max_workers})
+        configs = [LoaderConfig(num_workers=w, prefetch_factor=p) for w in counts for p in prefetch]
+        return max(self.running_samples_per_s(c, cores) for c in configs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _running_rate(pipeline: Pipeline, workers: int, prefetch_factor: int, cores: float, batches: int) -> float:
+    config = LoaderConfig(num_workers=workers, prefetch_factor=prefetch_factor)
+    return simulate(config, pipeline, cores, batches=batches, warm=2 * workers * prefetch_factor).samples_per_s
+
 
 @functools.lru_cache(maxsize=4096)
 def _steady(pipeline: Pipeline, workers: int, cores: float, prefetch_factor: int = 2) -> float:
@@ -113,7 +148,7 @@ def _steady_rate(pipeline: Pipeline, workers: int, prefetch_factor: int, cores: 
 
 
 def simulate(
-    config: LoaderConfig, pipeline: Pipeline, cores: float, *, batches: int = 400, seed: int = 0
+    config: LoaderConfig, pipeline: Pipeline, cores: float, *, batches: int = 400, seed: int = 0, warm: int = 0
 ) -> WindowStats:
     """Run one window of ``batches`` training batches and measure it as the callback would.
 
@@ -123,6 +158,9 @@ def simulate(
         cores: CPUs the workers and the training process share.
         batches: training batches in the window (plus one start-up fetch).
         seed: noise seed; the same seed gives the same window.
+        warm: batches the loader ran before the window opened (a window that goes on with the loader
+            already running: its workers are neither starting nor in step, and the window has no start-up
+            fetch); ``0``: the loader starts with the window.
 
     Returns:
         The window's :class:`WindowStats` with ``util_source="estimate"``.
@@ -134,7 +172,9 @@ def simulate(
     # their own streams (seeded by strings: stable across runs), so that they leave the other draws alone
     jitter = random.Random(f"{seed}-step-jitter")
     bursts = random.Random(f"{seed}-bursts")
-    total = batches + 1  # batch 0 is the start-up fetch
+    spreads = random.Random(f"{seed}-spread")
+    sigma = math.sqrt(math.log1p(pipeline.spread**2))  # a log-normal factor of mean 1 and that CV
+    total = warm + batches + 1  # batch 0 is the start-up fetch
     step_s = pipeline.step_s * pipeline.step_slowdown
     every = pipeline.burst_every
     io, cpu, steps = [], [], []
@@ -144,6 +184,8 @@ def simulate(
         else:
             is_burst = every > 0 and i % every == every - 1
         burst = pipeline.burst_factor if is_burst else 1.0
+        if pipeline.spread:
+            burst *= spreads.lognormvariate(-sigma * sigma / 2, sigma)
         io.append(pipeline.io_s * burst * drift_production * (1.0 + noise * rng.uniform(-1.0, 1.0)))
         cpu.append(pipeline.cpu_s * burst * drift_production * (1.0 + noise * rng.uniform(-1.0, 1.0)))
         step = step_s * drift_step * (1.0 + noise * rng.uniform(-1.0, 1.0))
@@ -157,7 +199,7 @@ def simulate(
         run = _Run(waits, steps, [False] * total, [0] * total, waits, cpu, sum(waits) + sum(steps))
     else:
         run = _run_workers(config, pipeline, float(cores), io, cpu, steps)
-    return _measure(run, pipeline, batches)
+    return _measure(run, pipeline, batches, warm)
 
 
 @dataclass
@@ -251,9 +293,12 @@ def _run_workers(
     return _Run(waits, steps, ready_when_asked, depth_when_asked, wall, cpu, now)
 
 
-def _measure(run: _Run, pipeline: Pipeline, batches: int) -> WindowStats:
-    waits, steps = run.waits[1:], run.steps[1:]
-    production = sum(run.worker_wall)
+def _measure(run: _Run, pipeline: Pipeline, batches: int, warm: int = 0) -> WindowStats:
+    first = warm + 1  # the window's first batch
+    waits, steps = run.waits[first:], run.steps[first:]
+    made = slice(first if warm else 0, None)  # a cold window's workers also made the start-up batch
+    worker_wall, worker_cpu = run.worker_wall[made], run.worker_cpu[made]
+    production = sum(worker_wall)
     main_cpu = pipeline.main_cpu * sum(run.steps) / run.elapsed if run.elapsed > 0 else 0.0
     return WindowStats(
         batches=batches,
@@ -264,15 +309,14 @@ def _measure(run: _Run, pipeline: Pipeline, batches: int) -> WindowStats:
         fetch_wait_p95_s=_percentile(waits, 0.95),
         step_p50_s=_percentile(steps, 0.50),
         step_p95_s=_percentile(steps, 0.95),
-        stalls=sum(1 for ready in run.ready_when_asked[1:] if not ready),
+        stalls=sum(1 for ready in run.ready_when_asked[first:] if not ready),
         fetches=batches,
-        queue_depth=sum(run.depth_when_asked[1:]) / batches if batches else None,
-        startup_s=run.waits[0],
-        worker_batch_s=production / len(run.worker_wall) if pipeline.measured else None,
+        queue_depth=sum(run.depth_when_asked[first:]) / batches if batches else None,
+        startup_s=0.0 if warm else run.waits[0],
+        worker_batch_s=production / len(worker_wall) if pipeline.measured else None,
+        worker_batch_p95_s=_percentile(worker_wall, 0.95) if pipeline.measured else None,
         # CPU time over wall time: waiting for a contended CPU is wall time, not CPU time
-        worker_cpu_fraction=min(1.0, sum(run.worker_cpu) / production)
-        if pipeline.measured and production > 0
-        else None,
+        worker_cpu_fraction=min(1.0, sum(worker_cpu) / production) if pipeline.measured and production > 0 else None,
         batch_bytes=pipeline.batch_bytes,
         gpu_util=None,
         util_source=UtilSource.ESTIMATE,
