@@ -584,7 +584,7 @@ class DataLoaderTuner(Callback):
             end_batch,
             partial(trainer.strategy.broadcast, src=0),
         )
-        if record is None and stats.batches:
+        if record is None and stats.batches and not stats.fetches:
             self._say_once(
                 trainer,
                 "no-fetch",

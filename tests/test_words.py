@@ -45,6 +45,20 @@ def test_a_reason_is_worded_with_its_numbers():
     assert reason_text(decision.reason) == text
 
 
+def test_a_hold_at_the_cpus_says_cpu_bound_only_where_the_cpus_are_measured_busy():
+    numbers = {"util": 0.6, "low": 0.85, "starvation": 0.4, "windows": 1, "workers": 7, "cpus": 8, "cpu_share": 0.2}
+    busy = reason_text(Reason(ReasonKind.CPUS_SATURATED, {**numbers, "cpu_bound": True}))
+    counted = reason_text(Reason(ReasonKind.CPUS_SATURATED, {**numbers, "cpu_bound": False}))
+    assert "CPU-bound" in busy and "CPU-bound" not in counted and "holding" in counted
+
+
+def test_a_step_up_sized_by_the_loops_delivery_says_it_is_measured():
+    stats = window(41, worker_batch_s=0.041, worker_cpu_fraction=0.1)
+    reason = decide(LoaderConfig(), stats, Budget(32, cpus=64)).reason
+    text = reason_text(Reason(ReasonKind.MORE_WORKERS, {**reason.values, "sized_by": "delivery"}))
+    assert text.endswith("a step up to measure (the CPUs are not busy)")
+
+
 def test_a_budget_clamp_is_worded_after_the_reason():
     reason = Reason(ReasonKind.NOTHING_MEASURED, {"budget_allows": (2, 1)})
     assert reason_text(reason) == "no training batches measured: holding; the budget allows 2 workers x prefetch 1"

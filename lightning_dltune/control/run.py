@@ -111,7 +111,8 @@ class TuningRun:
         end_batch: Optional[int] = None,
         broadcast: Broadcast = _alone,
     ) -> Optional[WindowRecord]:
-        """Judge a window of ``config`` that measured the job-wide ``stats``; ``None`` without a fetch to judge.
+        """Judge a window of ``config`` that measured the job-wide ``stats``; ``None`` without a fetch to judge,
+        or mid-epoch while its step time still falls (warm-up, :meth:`WindowSchedule.goes_on`: it goes on).
 
         Every rank runs the same numbers and keeps rank zero's decision and next window length (one
         ``broadcast``). A changed config applies from the next epoch start or, mid-epoch (``end_batch``),
@@ -119,8 +120,11 @@ class TuningRun:
         """
         if stats.fetches == 0:  # no evidence: a window whose only fetch was the loader's start-up
             return None
+        if end_batch is not None and self.windows.goes_on(stats, seen=bool(self.history)):
+            return None  # the step time still falls (warm-up): the window goes on, judged when settled
         decision = decide(config, stats, budget, self.history, self.settings)
-        decision, self.windows.next_length = broadcast((decision, self.windows.length_after(stats)))
+        next_length = self.windows.length_after(stats, decision.confirm_batches)
+        decision, self.windows.next_length = broadcast((decision, next_length))
         record = _record(epoch, config, stats, decision, end_batch, global_step)
         self.history.append(record)
         if self.tuning:

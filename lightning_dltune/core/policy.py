@@ -546,11 +546,12 @@ def _more_workers(case: _Case, starved: dict) -> _Rule:
         return _step_up(case, starved, cost, wanted)
     measured = None if case.cpu_bound else _measured_step(case, starved, cost, reach)
     # contention eats what more workers would add: the model says they cannot help (and the CPUs agree)
-    return measured or (
-        current,
-        _modelled_cpu_verdict(case),
-        Reason(ReasonKind.NO_MODELLED_GAIN, {**starved, **cost, "wanted": wanted, "gain": gain, "cpus": budget.cpus}),
-    )
+    if measured is not None:
+        return measured
+    verdict = _modelled_cpu_verdict(case)
+    cpu_bound = verdict is Verdict.DATA_BOUND_CPU
+    numbers = {**starved, **cost, "wanted": wanted, "gain": gain, "cpus": budget.cpus, "cpu_bound": cpu_bound}
+    return current, verdict, Reason(ReasonKind.NO_MODELLED_GAIN, numbers)
 
 
 def _measured_step(case: _Case, starved: dict, cost: dict, reach: int) -> Optional[_Rule]:
@@ -646,7 +647,9 @@ def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling
             Reason(ReasonKind.OVERSUBSCRIBED, {**starved, **cpus, "to_workers": cpu_limit}),
         )
     if case.cpu_bound or workers >= reach or not model.cpu_known:
-        return current, _modelled_cpu_verdict(case), Reason(ReasonKind.CPUS_SATURATED, {**starved, **cpus})
+        verdict = _modelled_cpu_verdict(case)
+        numbers = {**starved, **cpus, "cpu_bound": verdict is Verdict.DATA_BOUND_CPU}
+        return current, verdict, Reason(ReasonKind.CPUS_SATURATED, numbers)
     return current, case.data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost})
 
 

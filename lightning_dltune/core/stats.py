@@ -84,6 +84,9 @@ class WindowStats:
         util_source: :class:`UtilSource`: ``"nvml"`` or ``"estimate"`` (``1 - starvation_ratio``).
         main_cpu_fraction: CPU time of the training process / wall time (batches it made itself not
             counted); the CPUs it leaves are the workers'. ``None`` where unknown.
+        warmup_batches: the window's leading warm-up steps, left out of every other field (see
+            :func:`~lightning_dltune.core.windows.warmup_steps`).
+        settling: 1 where the step time was still falling at the window's end (more warm-up to come).
     """
 
     batches: int = stat(0, Pool.SUM, Reduce.WORST)
@@ -105,6 +108,8 @@ class WindowStats:
     util_source: UtilSource = stat(UtilSource.ESTIMATE, Pool.LATEST, Reduce.MIN)
     main_cpu_fraction: Optional[float] = stat(None, Pool.MEAN, Reduce.MAX)  # the busiest training process
     worker_batch_p95_s: Optional[float] = stat(None, Pool.MEAN, Reduce.WORST)  # same conditions: p95s average
+    warmup_batches: int = stat(0, Pool.SUM, Reduce.MAX)
+    settling: int = stat(0, Pool.LATEST, Reduce.MAX)  # any rank still warming up
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "util_source", UtilSource(self.util_source))

@@ -21,12 +21,50 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from lightning_dltune.core.stats import WindowStats
 
 NO_BATCH = -1  # "at the epoch end" for a close, "never" for a look
 _MOST_BATCHES = 1 << 20  # a window's length in batches is capped here (a step of microseconds)
+WARMUP_FACTOR = 1.5  # a step this much slower than the window's settled pace is warm-up, not evidence ...
+WARMUP_FLOOR_S = 0.005  # ... and at least this much slower (a few ms of noise on a sub-ms step is not warm-up)
+_FALLING = 0.67  # the last third of a window this much faster than its middle third: the pace still falls
+_MOST_SETTLING = 4  # a window whose pace still falls goes on to at most this many times its planned length
+
+
+def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:
+    """The leading warm-up steps of a window's step times, and whether the pace was still falling at its end.
+
+    First steps are slow for reasons that are no evidence about the loaders (lazy initialization, the
+    first backward pass, allocator and kernel autotuning). The settled pace is the median of the window's
+    last third; warm-up is the run of steps before the first two in a row within :data:`WARMUP_FACTOR` of it
+    (or :data:`WARMUP_FLOOR_S` above it, whichever is more).
+    The pace still falls when over half the window was warm-up, or when the last third of the rest is
+    faster than :data:`_FALLING` times its first third (and by :data:`WARMUP_FLOOR_S`). Windows of fewer than 6 steps are taken as they are.
+    """
+    n = len(steps)
+    if n < 6:
+        return 0, False
+    third = n // 3
+    settled = _median(steps[n - third :])
+    limit = max(WARMUP_FACTOR * settled, settled + WARMUP_FLOOR_S)
+    k = 0
+    while k < n - 1 and not (steps[k] <= limit and steps[k + 1] <= limit):
+        k += 1
+    if k >= n - 1:
+        return 0, False
+    rest = steps[k:]
+    part = len(rest) // 3
+    if part < 2:
+        return k, k > n // 2
+    early, late = _median(rest[:part]), _median(rest[-part:])
+    return k, k > n // 2 or (late < _FALLING * early and early - late > WARMUP_FLOOR_S)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 @dataclass
@@ -62,6 +100,12 @@ class WindowSchedule:
         if confirm_batches is not None:
             return max(1, min(confirm_batches, regular))
         return regular
+
+    def goes_on(self, stats: WindowStats, seen: bool) -> bool:
+        """Whether a window that closes mid-epoch while its pace still falls (``stats.settling``) goes on
+        rather than be judged: up to :data:`_MOST_SETTLING` times its planned length."""
+        planned = self.window_batches if seen else (self.first_batches or self.window_batches)
+        return bool(stats.settling) and stats.batches + stats.warmup_batches < _MOST_SETTLING * planned
 
     def open(self, first_batch: int, epoch_batches: float, mid_epoch: bool, seen: bool, looks: bool = False) -> None:
         """A window opens at batch index ``first_batch`` of an epoch of ``epoch_batches`` (``inf``: unknown).

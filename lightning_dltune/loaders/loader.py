@@ -16,10 +16,11 @@ position and sampler order go into Lightning's checkpoints (``state_dict`` / ``l
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import sys
 import time
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
@@ -38,7 +39,34 @@ from lightning_dltune.loaders.torch_internals import (
 __all__ = ["TunedDataLoader", "TunedLoader", "build_loader", "counters_of", "sample_bytes"]
 
 _SLOTS = 1024  # worker slots in the shared counters (slot 0: the training process)
-_FIELDS = 4  # batches made, batches timed, wall seconds, cpu seconds
+_BINS = 64  # a log histogram of the wall time per batch: 4 bins an octave from 0.1 ms (0.1 ms .. ~6.5 min)
+_FIELDS = 4 + _BINS  # batches made, batches timed, wall seconds, cpu seconds, then the histogram
+_BIN_FLOOR_S = 1e-4
+
+
+def _bin_of(wall_s: float) -> int:
+    return min(_BINS - 1, max(0, int(4.0 * math.log2(max(wall_s, _BIN_FLOOR_S) / _BIN_FLOOR_S))))
+
+
+def histogram_quantile(counts: Sequence[float], q: float, mean: Optional[float] = None) -> Optional[float]:
+    """The ``q`` quantile of a :meth:`ProductionCounters.histogram` (its bin's middle); ``None`` when empty.
+
+    ``mean``: the exact mean of the same batches; a quantile in the mean's own bin is the mean (a bin is
+    19 % wide: a steady time per batch shows no spread), and no quantile above the median is below it.
+    """
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank, seen, k = q * total, 0.0, len(counts) - 1
+    for i, n in enumerate(counts):
+        seen += n
+        if seen >= rank and n > 0:
+            k = i
+            break
+    value = _BIN_FLOOR_S * 2.0 ** ((k + 0.5) / 4.0)
+    if mean is not None and (k == _bin_of(mean) or (q >= 0.5 and value < mean)):
+        return mean
+    return value
 
 
 class FetchRecorder(Protocol):
@@ -48,7 +76,8 @@ class FetchRecorder(Protocol):
 
 
 class ProductionCounters:
-    """Cumulative batches, wall and CPU seconds of batch production, per worker, in shared memory.
+    """Cumulative batches, wall and CPU seconds of batch production and a histogram of the wall time per
+    batch, per worker, in shared memory.
 
     Each worker writes only its own slot, so no lock is needed; the training process only reads.
     """
@@ -66,6 +95,7 @@ class ProductionCounters:
             arr[base + 1] += 1.0
             arr[base + 2] += wall_s
             arr[base + 3] += cpu_s
+            arr[base + 4 + _bin_of(wall_s)] += 1.0
 
     def produced(self, num_workers: int) -> float:
         """Batches produced so far by the training process and workers ``0..num_workers-1``."""
@@ -79,6 +109,11 @@ class ProductionCounters:
         """(timed batches, wall seconds, cpu seconds) summed over all slots."""
         arr = self._array
         return (sum(arr[1::_FIELDS]), sum(arr[2::_FIELDS]), sum(arr[3::_FIELDS]))
+
+    def histogram(self) -> list[float]:
+        """Timed batches per wall-time bin, summed over all slots (see :func:`histogram_quantile`)."""
+        arr = self._array
+        return [sum(arr[4 + k :: _FIELDS]) for k in range(_BINS)]
 
 
 # Start of the batch being produced in this process (workers produce one batch at a time).

@@ -11,6 +11,7 @@ from array import array
 from typing import Optional
 
 from lightning_dltune.core.stats import UtilSource, WindowStats
+from lightning_dltune.core.windows import warmup_steps
 
 UNKNOWN_READY = -1
 HANDOVER_FACTOR = 3.0  # a fetch this many times the window's fastest (a ready batch handed over) waited for one
@@ -109,6 +110,7 @@ class WindowMeter:
         self,
         batch_size: int = 0,
         worker_batch_s: Optional[float] = None,
+        worker_batch_p95_s: Optional[float] = None,
         worker_cpu_fraction: Optional[float] = None,
         batch_bytes: Optional[int] = None,
         gpu_util: Optional[float] = None,
@@ -122,39 +124,48 @@ class WindowMeter:
         samples of one step, every train loader's batch together). ``fetches_per_step``: loaders
         that each report a fetch for every step (several train loaders combined).
         """
+        per_step = max(1, fetches_per_step)
+        warmup, settling = (0, False) if self.steps > self._capacity else warmup_steps(self._step_buf[: self.steps])
+        left_out = min(warmup * per_step, self.fetches) if self.fetches <= self._capacity else 0
+        warmup = warmup if left_out or not self.fetches else 0  # fetches in a ring buffer: nothing left out
         n_fetch = min(self.fetches, self._capacity)
         n_step = min(self.steps, self._capacity)
-        fetch_sorted = sorted(self._fetch_buf[:n_fetch])
-        step_sorted = sorted(self._step_buf[:n_step])
-        batches = self.steps
+        fetch_sorted = sorted(self._fetch_buf[left_out:n_fetch])
+        step_sorted = sorted(self._step_buf[warmup:n_step])
+        batches = self.steps - warmup
+        fetches = self.fetches - left_out
+        step_total_s = self.step_total_s - sum(self._step_buf[:warmup])
         # Without a prefetching fetcher every step has one fetch per loader; if fetches outnumber that,
         # the extra ones were for batches not stepped yet, so sums are scaled to the stepped batches.
-        fetch_wait_total_s = self.fetch_wait_total_s
-        expected = batches * max(1, fetches_per_step)
-        if self.fetches > expected > 0:
-            fetch_wait_total_s *= expected / self.fetches
-        stalls = self.stalls
-        if self.depth_known == 0 and n_fetch:  # no queue reports: judge the waits against the hand-over time
+        fetch_wait_total_s = self.fetch_wait_total_s - sum(self._fetch_buf[:left_out])
+        expected = batches * per_step
+        if fetches > expected > 0:
+            fetch_wait_total_s *= expected / fetches
+        stalls = round(self.stalls * fetches / self.fetches) if self.fetches else 0
+        if self.depth_known == 0 and fetch_sorted:  # no queue reports: judge the waits against the hand-over time
             self._cutoff_s = stall_cutoff(self.stall_threshold_s, fetch_sorted[0], batch_bytes)
-            over = n_fetch - bisect.bisect_right(fetch_sorted, self._cutoff_s)
-            stalls = round(over * self.fetches / n_fetch)
+            over = len(fetch_sorted) - bisect.bisect_right(fetch_sorted, self._cutoff_s)
+            stalls = round(over * fetches / len(fetch_sorted))
         return WindowStats(
             batches=batches,
             samples=batches * batch_size,
-            fetch_wait_total_s=fetch_wait_total_s,
-            step_total_s=self.step_total_s,
+            fetch_wait_total_s=max(0.0, fetch_wait_total_s),
+            step_total_s=max(0.0, step_total_s),
             fetch_wait_p50_s=_percentile(fetch_sorted, 0.50),
             fetch_wait_p95_s=_percentile(fetch_sorted, 0.95),
             step_p50_s=_percentile(step_sorted, 0.50),
             step_p95_s=_percentile(step_sorted, 0.95),
             stalls=stalls,
-            fetches=self.fetches,
+            fetches=fetches,
             queue_depth=(self.depth_sum / self.depth_known) if self.depth_known else None,
             startup_s=self.startup_s,
             worker_batch_s=worker_batch_s,
+            worker_batch_p95_s=worker_batch_p95_s,
             worker_cpu_fraction=worker_cpu_fraction,
             batch_bytes=batch_bytes,
             gpu_util=gpu_util,
             util_source=UtilSource.NVML if gpu_util is not None else UtilSource.ESTIMATE,
             main_cpu_fraction=main_cpu_fraction,
+            warmup_batches=warmup,
+            settling=int(settling),
         )

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.stats import WindowStats
 from lightning_dltune.loaders.collection import flatten_loaders
-from lightning_dltune.loaders.loader import TunedLoader, batch_tensors, counters_of, tensor_bytes
+from lightning_dltune.loaders.loader import TunedLoader, batch_tensors, counters_of, histogram_quantile, tensor_bytes
 from lightning_dltune.loaders.switch import loader_config_of
 from lightning_dltune.measure.lightning_internals import fetches_per_step, time_fit_loop_fetches
 from lightning_dltune.measure.meter import WindowMeter
@@ -63,7 +63,7 @@ class WindowProbe:
         self._bytes_hint: Optional[Callable[[], Optional[int]]] = None
         self._loaders: list = []
         self._per_step = self._parts = 1
-        self._marks: list[tuple[Any, tuple[float, float, float]]] = []
+        self._marks: list[tuple[Any, tuple[float, float, float], list[float]]] = []
         self._wall0 = self._cpu0 = self._step0 = self._fetched0 = 0.0
         self._first = True
         self._util_paused = False
@@ -118,7 +118,7 @@ class WindowProbe:
         """A new window of ``config`` from now on."""
         self.meter.reset()
         self.config = config
-        self._marks = [(c, c.totals()) for dl in self._loaders if (c := counters_of(dl)) is not None]
+        self._marks = [(c, c.totals(), c.histogram()) for dl in self._loaders if (c := counters_of(dl)) is not None]
         if self.sampler is not None:
             self.sampler.start_window()
             self.pause_util()  # loader start-up is not training: the next batch resumes
@@ -170,10 +170,14 @@ class WindowProbe:
     def local_stats(self) -> WindowStats:
         """This rank's stats of the window so far (before any cross-rank reduction)."""
         batches = wall = cpu = 0.0
-        for counters, (b0, w0, c0) in self._marks:
+        spread: list[float] = []
+        for counters, (b0, w0, c0), hist0 in self._marks:
             b1, w1, c1 = counters.totals()
             batches, wall, cpu = batches + b1 - b0, wall + w1 - w0, cpu + c1 - c0
+            now = [n1 - n0 for n1, n0 in zip(counters.histogram(), hist0)]
+            spread = [a + b for a, b in zip(spread, now)] if spread else now
         worker_batch_s = wall / batches if batches > 0 and wall > 0 else None
+        worker_batch_p95_s = histogram_quantile(spread, 0.95, worker_batch_s) if worker_batch_s is not None else None
         worker_cpu_fraction = min(1.0, cpu / wall) if batches > 0 and wall > 0 else None
         # the training process's own CPU share, less the batches it made itself (0 workers)
         elapsed = time.perf_counter() - self._wall0
@@ -183,6 +187,7 @@ class WindowProbe:
         return self.meter.window_stats(
             batch_size=self._batch_size,
             worker_batch_s=worker_batch_s,
+            worker_batch_p95_s=worker_batch_p95_s,
             worker_cpu_fraction=worker_cpu_fraction,
             batch_bytes=self._batch_bytes,
             gpu_util=self.sampler.window_mean() if self.sampler is not None else None,

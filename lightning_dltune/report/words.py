@@ -287,7 +287,15 @@ def _more_workers(v: dict[str, Any]) -> str:
     note = (
         f", prefetch {v['prefetch']} -> {v['to_prefetch']} to fit memory" if v["to_prefetch"] != v["prefetch"] else ""
     )
+    if v.get("sized_by") == "delivery":  # the model saw no gain; the loop's own delivery says try one step up
+        note += ", a step up to measure (the CPUs are not busy)"
     return f"{_starved(v)} with {_workers(v['workers'])}; {_cost(v)}: {_workers(v['to_workers'])}{note}"
+
+
+def _lost(v: dict[str, Any]) -> str:
+    """The utilization a give-back lost, where it is known (``gain``: the change in utilization)."""
+    gain = v.get("gain")
+    return f", {-gain:.0%} of the utilization lost" if gain is not None and gain < 0 else ""
 
 
 def _slack(v: dict[str, Any]) -> str:
@@ -312,7 +320,7 @@ _WORDS = {
     ),
     ReasonKind.UNDO_GIVE_BACK: lambda v: (
         f"giving back to {_short(v['config'])} dropped {_gpu(v)} (band from {v['low']:.0%}), "
-        f"starved {v['starvation']:.0%}: back to {_short(v['to'])}"
+        f"starved {v['starvation']:.0%}{_lost(v)}: back to {_short(v['to'])}"
     ),
     ReasonKind.SHIFT_SUSPECTED: lambda v: (
         f"{v['signal']} {_level(v['signal'], v['before'])} -> {_level(v['signal'], v['now'])} in this window alone: "
@@ -323,7 +331,7 @@ _WORDS = {
         f"{_change(v['from'], v['to'])}{_contention(v)}: measuring again before going back"
     ),
     ReasonKind.CONFIRM_STARVED: lambda v: (
-        f"giving back to {_short(v['config'])} dropped {_gpu(v)}, starved {v['starvation']:.0%}: "
+        f"giving back to {_short(v['config'])} dropped {_gpu(v)}, starved {v['starvation']:.0%}{_lost(v)}: "
         "measuring again before going back"
     ),
     ReasonKind.CONFIRM_NO_GAIN: lambda v: (
@@ -347,13 +355,16 @@ _WORDS = {
     ),
     ReasonKind.CPUS_SATURATED: lambda v: (
         f"{_starved(v)}, but {_workers(v['workers'])} already keep the {_cpus(v)} busy: the pipeline is CPU-bound"
+        if v.get("cpu_bound", True)
+        else f"{_starved(v)}, and {_workers(v['workers'])} are as many as the {_cpus(v)} are counted to take: holding"
     ),
     ReasonKind.AT_WORKER_BUDGET: lambda v: (
         f"{_starved(v)}; {_cost(v)}, but {_workers(v['workers'])} is the budget's most"
     ),
     ReasonKind.NO_MODELLED_GAIN: lambda v: (
         f"{_starved(v)}; {_cost(v)}, and {_workers(v['wanted'])} would gain only {v['gain']:+.0%} on "
-        f"{v['cpus']:g} CPUs: the pipeline is CPU-bound"
+        f"{v['cpus']:g} CPUs: "
+        + ("the pipeline is CPU-bound" if v.get("cpu_bound", True) else "too little for a window to tell from noise")
     ),
     ReasonKind.MEMORY_CAPPED_HOLD: lambda v: (
         f"{_starved(v)} with {_workers(v['workers'])} and wants {v['wanted']}, but even {_short(v['config'])} "
