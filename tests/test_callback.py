@@ -133,7 +133,8 @@ def test_iterable_dataset_without_len(trainer_kwargs):
     tuner = DataLoaderTuner(verbose=False)
     trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], limit_val_batches=0, **trainer_kwargs)
     trainer.fit(_IterableModule())
-    assert [r.stats.samples for r in tuner.history] == [32, 32]
+    assert [r.stats.all_batches for r in tuner.history] == [8, 8]  # every batch, a warm-up step included
+    assert all(r.stats.samples == 4 * r.stats.batches for r in tuner.history)
 
 
 class _TupleModule(SleepStepModule):
@@ -147,7 +148,8 @@ def test_tuple_batches(trainer_kwargs):
     tuner = DataLoaderTuner(verbose=False)
     trainer = pl.Trainer(max_epochs=1, callbacks=[tuner], limit_val_batches=0, **trainer_kwargs)
     trainer.fit(_TupleModule())
-    assert tuner.history[0].stats.samples == 40 and tuner.history[0].stats.batch_bytes == 5 * (8 * 4 + 8)
+    first = tuner.history[0].stats
+    assert first.all_batches * 5 == 40 and first.samples == 5 * first.batches and first.batch_bytes == 5 * (8 * 4 + 8)
 
 
 @pytest.mark.slow
@@ -228,5 +230,5 @@ def test_a_fit_resumed_mid_epoch_records_the_rest_of_that_epoch(trainer_kwargs, 
     # Lightning skips on_train_epoch_start when it resumes mid-epoch: the window starts at the first batch
     pl.Trainer(max_epochs=3, callbacks=[tuner], **trainer_kwargs).fit(SleepStepModule(), datamodule=dm, ckpt_path=ckpt)
     resumed = [r for r in tuner.history if r.epoch == 1]
-    assert len(resumed) == 1 and resumed[0].stats.batches == 20 - 7  # the rest of epoch 1
-    assert [r.epoch for r in tuner.history][-1] == 2 and tuner.history[-1].stats.batches == 20
+    assert len(resumed) == 1 and resumed[0].stats.all_batches == 20 - 7  # the rest of epoch 1
+    assert [r.epoch for r in tuner.history][-1] == 2 and tuner.history[-1].stats.all_batches == 20

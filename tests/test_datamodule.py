@@ -171,7 +171,7 @@ def test_the_first_epoch_switches_loaders_mid_epoch_without_losing_or_repeating_
     early, rest = tuner.history[0], tuner.history[1]
     assert early.epoch == rest.epoch == 0 and early.end_batch == 10
     assert early.config.num_workers == start_workers and rest.config.num_workers > start_workers
-    assert rest.stats.batches == 62 - 10  # the rest of the epoch ran with the new workers
+    assert rest.stats.all_batches == 62 - 10  # the rest of the epoch ran with the new workers
     for seen in model.train_indices:
         assert len(seen) == len(set(seen)) == 248  # each sample at most once, 2 (< batch_size) dropped
     assert sorted(model.val_indices[-1]) == list(range(8))

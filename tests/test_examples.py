@@ -210,7 +210,7 @@ def test_fit_with_tuner_records_one_epoch_each_and_emulates_the_step(tmp_path):
     trainer.fit(model, datamodule=dm)
 
     assert [r.epoch for r in tuner.history] == [0, 1]
-    assert all(r.stats.batches == 3 for r in tuner.history)
+    assert all(r.stats.all_batches == 3 for r in tuner.history)
     # the sleep is inside the step the tuner times
     assert all(r.stats.step_s / r.stats.batches >= 0.029 for r in tuner.history)
     assert {"train_loss", "val_loss", "val_acc"} <= set(trainer.callback_metrics)

@@ -205,7 +205,7 @@ def test_limit_train_batches(tmp_path, workdir, limit, batches):
     model = SleepStepModule(step_s=STEP_S, record_indices=True)
     trainer, tuner = fit(tmp_path, model, make_data(), limit_train_batches=limit)
     check_train_once(model, batches * BATCH, 2)
-    assert sum(r.stats.batches for r in tuner.history) == 2 * batches
+    assert sum(r.stats.all_batches for r in tuner.history) == 2 * batches
     check_tuned(trainer, tuner)
 
 
@@ -219,7 +219,7 @@ def test_max_steps_across_epochs(tmp_path, workdir):
     assert trainer.global_step == 30
     assert [len(s) for s in model.train_indices] == [TRAIN, 6 * BATCH]
     assert all(len(s) == len(set(s)) for s in model.train_indices)
-    assert sum(r.stats.batches for r in tuner.history) == 30
+    assert sum(r.stats.all_batches for r in tuner.history) == 30
 
 
 @row("`overfit_batches=2`", "the same batches every epoch")
@@ -236,7 +236,7 @@ def test_sanity_validation(tmp_path, workdir):
     trainer, tuner = fit(tmp_path, model, make_data(), num_sanity_val_steps=2)
     check_train_once(model, TRAIN, 2)
     check_val_once(model, 2)
-    assert sum(r.stats.batches for r in tuner.history) == 2 * TRAIN // BATCH
+    assert sum(r.stats.all_batches for r in tuner.history) == 2 * TRAIN // BATCH
 
 
 @row("`fast_dev_run=True`", "no files, no verdict without evidence")
@@ -308,7 +308,7 @@ def test_two_train_loaders(tmp_path, workdir, plain):
     stats = tuner.history[0].stats
     truth = 2 * BATCH_COST_S / (2 * BATCH_COST_S + 0.01)  # 0 workers: both loaders' batches are made in the fetch
     assert stats.starvation_ratio == pytest.approx(truth, abs=0.12)
-    assert stats.samples == 2 * TRAIN
+    assert stats.all_batches * 2 * BATCH == 2 * TRAIN and stats.samples == 2 * BATCH * stats.batches
 
 
 ROWS["test_two_train_loaders"] = (
@@ -424,7 +424,8 @@ def test_batch_shapes(tmp_path, workdir, shape):
     trainer, tuner = fit(tmp_path, model, data)
     check_train_once(model, TRAIN, 2)
     check_tuned(trainer, tuner)
-    assert tuner.history[0].stats.samples == 4 * BATCH  # the batch size read from the batch
+    first = tuner.history[0].stats
+    assert first.all_batches == 4 and first.samples == BATCH * first.batches  # the batch size read from the batch
 
 
 ROWS["test_batch_shapes"] = "dict, namedtuple and dataclass batches|samples once, batch size read"

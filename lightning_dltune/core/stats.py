@@ -125,6 +125,11 @@ class WindowStats:
         return self.step_total_s
 
     @property
+    def all_batches(self) -> int:
+        """The window's batches, its warm-up included."""
+        return self.batches + self.warmup_batches
+
+    @property
     def busy_s(self) -> float:
         """Σ (fetch wait + step time): the training loop's time on these batches."""
         return self.fetch_wait_total_s + self.step_total_s

@@ -41,7 +41,8 @@ def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:
     last third; warm-up is the run of steps before the first two in a row within :data:`WARMUP_FACTOR` of it
     (or :data:`WARMUP_FLOOR_S` above it, whichever is more).
     The pace still falls when over half the window was warm-up, or when the last third of the rest is
-    faster than :data:`_FALLING` times its first third (and by :data:`WARMUP_FLOOR_S`). Windows of fewer than 6 steps are taken as they are.
+    faster than :data:`_FALLING` times its first third (and by :data:`WARMUP_FLOOR_S`). Windows of fewer
+    than 6 steps are taken as they are. The early decision comes later only where the pace still falls.
     """
     n = len(steps)
     if n < 6:

@@ -68,6 +68,7 @@ class WindowMeter:
         self.steps = 0
         self.step_total_s = 0.0
         self.startup_s = 0.0
+        self.fresh = True  # the loaders just started: the window's first steps may be warm-up
         self.reset_interval()
 
     # -- per-batch path -------------------------------------------------------------------------
@@ -119,13 +120,16 @@ class WindowMeter:
     ) -> WindowStats:
         """This rank's stats of the window (before any cross-rank reduction).
 
-        Batches are those whose step was measured. A fetch whose batch never reached a step (the
+        Batches are those whose step was measured, less a fresh window's warm-up
+        (:func:`~lightning_dltune.core.windows.warmup_steps`: its leading slow steps, and their fetches,
+        are left out and counted in ``warmup_batches``). A fetch whose batch never reached a step (the
         window ended) does not count. ``samples`` is ``batches * batch_size`` (``batch_size``: the
         samples of one step, every train loader's batch together). ``fetches_per_step``: loaders
         that each report a fetch for every step (several train loaders combined).
         """
         per_step = max(1, fetches_per_step)
-        warmup, settling = (0, False) if self.steps > self._capacity else warmup_steps(self._step_buf[: self.steps])
+        judged = self.fresh and self.steps <= self._capacity  # warm-up follows a loader start
+        warmup, settling = warmup_steps(self._step_buf[: self.steps]) if judged else (0, False)
         left_out = min(warmup * per_step, self.fetches) if self.fetches <= self._capacity else 0
         warmup = warmup if left_out or not self.fetches else 0  # fetches in a ring buffer: nothing left out
         n_fetch = min(self.fetches, self._capacity)

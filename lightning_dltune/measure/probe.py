@@ -115,8 +115,11 @@ class WindowProbe:
         self.start(config)
 
     def start(self, config: Optional[LoaderConfig]) -> None:
-        """A new window of ``config`` from now on."""
+        """A new window of ``config`` from now on (its first steps may be warm-up where the loaders just
+        started: at an epoch start, or after a switch to another config)."""
+        fresh = self._first or config != self.config
         self.meter.reset()
+        self.meter.fresh = fresh
         self.config = config
         self._marks = [(c, c.totals(), c.histogram()) for dl in self._loaders if (c := counters_of(dl)) is not None]
         if self.sampler is not None:
