@@ -190,10 +190,12 @@ def test_several_validation_loaders_are_each_measured_and_the_slow_one_starves_m
         x for x, _ in logged["dltune/val/starvation_ratio"]
     ]
     series = lambda idx, name: [v for _, v in logged[f"dltune/val/{idx}/{name}"]]  # noqa: E731
-    assert all(s > 2 * f for s, f in zip(series(0, "fetch_wait_ms"), series(1, "fetch_wait_ms")))
     slow, fast = series(0, "starvation_ratio"), series(1, "starvation_ratio")
-    assert len(slow) == 2 and slow[0] > 0.7 and all(s > f for s, f in zip(slow, fast))
-    assert logged["dltune/val/1/samples_per_s"][0][1] > 2 * logged["dltune/val/0/samples_per_s"][0][1]
+    assert len(slow) == len(fast) == 2 and slow[0] > 0.7 and slow[0] > 2 * fast[0]  # both on 0 workers
+    assert series(0, "fetch_wait_ms")[0] > 5 * series(1, "fetch_wait_ms")[0]
+    assert series(1, "samples_per_s")[0] > 2 * series(0, "samples_per_s")[0]
+    # with workers of its own the slow loader still waits longer (30 ms a batch: 4 workers cannot keep up)
+    assert series(0, "fetch_wait_ms")[1] > series(1, "fetch_wait_ms")[1]
     # the console: each run's line names each loader's starvation, the table gives each loader rows of its own
     assert output.count("| loaders 0: ") == 2
     rows = _table_rows(output)
