@@ -40,11 +40,12 @@ from lightning_dltune.measure.lightning_internals import (
     release_loader_requests,
 )
 from lightning_dltune.measure.probe import WindowProbe
+from lightning_dltune.measure.val_loaders import ValLoaderMeter, ValLoaderRun
 from lightning_dltune.nvml.sampler import MODE_SAMPLES
 from lightning_dltune.report.console import Notices, say
 from lightning_dltune.report.metrics import add_panels, log_interval, log_window, window_scalars
 from lightning_dltune.report.recommendation import conclude_fit
-from lightning_dltune.report.validation import log_val_run, val_line, val_scalars
+from lightning_dltune.report.validation import log_val_run, val_line, val_loader_scalars, val_scalars
 from lightning_dltune.report.words import VERBOSE_LINE, VERBOSE_REASON, window_line
 
 UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
@@ -121,9 +122,18 @@ class DataLoaderTuner(Callback):
     - With ``log_every_n_steps``: ``dltune/recent/starvation_ratio``, ``dltune/recent/samples_per_s``,
       ``dltune/recent/fetch_wait_ms``, ``dltune/recent/step_ms``, ``dltune/recent/stalls`` over the last
       ``n`` steps of rank zero.
+    - Per validation run (sanity checks left out), at the step it ended: the same names under
+      ``dltune/val/`` (less the GPU and band ones), the run pooled over every validation loader (the
+      validation side's window, one config for them all; :attr:`val_history`), and the decision as
+      text (``dltune/val/decision``). Where ``val_dataloader()`` gives several loaders, each one's own
+      part of the run too, as ``dltune/val/<dataloader_idx>/starvation_ratio``, ``fetch_wait_ms``,
+      ``step_ms``, ``samples_per_s``, ``stalls``, ``batches``, ``startup_ms``, ``queue_depth``
+      (:attr:`val_loader_history`).
 
-    The console gets one short line per window (through the progress bar when one is shown) and, at the
-    end of fit, a table of every window and the recommended config, also written to
+    The console gets one short line per window and per validation run (through the progress bar when
+    one is shown; with several validation loaders, the run's line names each one's starvation) and, at
+    the end of fit, a table of every window, a table of the validation runs (a row for each loader's
+    part under its run's, where there are several) and the recommended config, also written to
     ``dltune_recommendation.yaml`` in the log dir as a LightningCLI config fragment (where the loaders'
     owner takes their settings as arguments; otherwise the console names the DataLoader arguments to
     set). Beside it, ``dltune_timeline.png`` draws the fit's story (also in TensorBoard's Images tab;
@@ -245,6 +255,7 @@ class DataLoaderTuner(Callback):
         """The windows of earlier fits with this tuner, one list per fit."""
         self._probe = WindowProbe(stall_threshold_s=stall_threshold_ms / 1000.0)
         self._val_probe = WindowProbe(stall_threshold_s=stall_threshold_ms / 1000.0, validation=True)
+        self._val_loaders = ValLoaderMeter()  # each validation loader's part of a run, where there are several
         self._val_measuring = False
         self._notices = Notices()
         self._handoff = SpawnHandoff()
@@ -263,6 +274,7 @@ class DataLoaderTuner(Callback):
         self._run.on_rollback = self._said_rollback
         self._run.tune_validation = self.tune_validation
         self._recommended: Optional[LoaderConfig] = None
+        self._val_loader_runs: list[ValLoaderRun] = []
         self.recommendation_path: Optional[str] = None
         self._measuring = False  # the probe measures this epoch (set at its start, or at its first batch)
         self._show_not_resumable: Optional[Callable[[], None]] = None
@@ -285,6 +297,21 @@ class DataLoaderTuner(Callback):
         checks left out): the validation side's windows, judged on their own."""
         self._take_handoff()
         return self._run.val_history
+
+    @property
+    def val_loader_history(self) -> list[ValLoaderRun]:
+        """Where validation has several loaders: each one's part of each run of this fit, a
+        :class:`~lightning_dltune.measure.val_loaders.ValLoaderRun` each (its own batches, fetch wait, step
+        time, stalls, samples/s), in run order; empty with one validation loader. The run itself (pooled
+        over the loaders, one config for them all) is ``val_history[part.run]``.
+
+        Example::
+
+            for part in tuner.val_loader_history:
+                print(part.step, part.dataloader_idx, f"{part.stats.starvation_ratio:.0%}")
+        """
+        self._take_handoff()
+        return self._val_loader_runs
 
     @property
     def rebuilds(self) -> int:
@@ -500,13 +527,16 @@ class DataLoaderTuner(Callback):
         self._val_measuring = not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING
         if self._val_measuring:
             self._val_probe.attach(trainer, self._run.datamodule)
+            self._val_loaders.attach(trainer, self._val_probe.meter)
 
     @override
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         if self._val_measuring:
-            self._val_probe.batch_started(trainer, batch, time.perf_counter())
+            now = time.perf_counter()
+            self._val_probe.batch_started(trainer, batch, now)
+            self._val_loaders.batch_started(now)
 
     @override
     def on_validation_batch_end(
@@ -519,7 +549,9 @@ class DataLoaderTuner(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         if self._val_measuring:
-            self._val_probe.batch_ended(time.perf_counter())
+            now = time.perf_counter()
+            self._val_probe.batch_ended(now)
+            self._val_loaders.batch_ended(batch, dataloader_idx, now)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -530,7 +562,9 @@ class DataLoaderTuner(Callback):
         stats = reduce_across_ranks(
             trainer.strategy, self._val_probe.local_stats(), trainer.world_size, pl_module.device
         )
+        loaders = self._val_loaders.job_stats(trainer.strategy, trainer.world_size, pl_module.device)
         self._val_probe.close()
+        self._val_loaders.close()
         if config is None:
             return
         train = self._run.history[-1] if self._run.history else None
@@ -541,11 +575,17 @@ class DataLoaderTuner(Callback):
         )
         broadcast = partial(trainer.strategy.broadcast, src=0)
         record = self._run.close_val_run(config, stats, budget, trainer.current_epoch, trainer.global_step, broadcast)
-        if record is not None and trainer.is_global_zero:
+        if record is None:
+            return
+        run = len(self._run.val_history) - 1
+        parts = [ValLoaderRun(run, record.step, record.epoch, i, s) for i, s in enumerate(loaders)]
+        self._val_loader_runs.extend(parts)
+        if trainer.is_global_zero:
             tuning = self._run.tuning and self.tune_validation
-            log_val_run(trainer, record, val_scalars(record, self.band, self._run.rebuilds), tuning=tuning)
+            scalars = {**val_scalars(record, self.band, self._run.rebuilds), **val_loader_scalars(parts)}
+            log_val_run(trainer, record, scalars, tuning=tuning)
             if self.verbose >= VERBOSE_LINE:
-                say(trainer, val_line(record, tuning=tuning))
+                say(trainer, val_line(record, tuning=tuning, parts=parts))
 
     @override
     def on_save_checkpoint(
@@ -637,6 +677,7 @@ class DataLoaderTuner(Callback):
             self.recommendation_file,
             self.verbose,
             self._run.val_history,
+            self._val_loader_runs,
         )
         if self._fingerprint is not None and self._recommended is not None and trainer.is_global_zero:
             rate = max((r.samples_per_s for r in self._run.history if r.config == self._recommended), default=0.0)
@@ -666,9 +707,12 @@ class DataLoaderTuner(Callback):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self._run.state_dict(current=self._probe.config)
+        state = self._run.state_dict(current=self._probe.config)
+        state["val_loader_history"] = [part.to_dict() for part in self._val_loader_runs]
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._run.load_state_dict(state_dict)
+        self._val_loader_runs = [ValLoaderRun.from_dict(d) for d in state_dict.get("val_loader_history", [])]
         self._resume_positions()

@@ -94,5 +94,19 @@ def test_a_projects_own_loaders_are_tuned_alike_on_every_rank_and_each_sample_tr
     for epoch in range(2):  # every sample once per epoch across the ranks
         ids = rank0["train_indices"][epoch] + rank1["train_indices"][epoch]
         assert sorted(ids) == list(range(240))
+        # every validation sample once per run across the ranks, as Lightning's DistributedSampler deals them:
+        # without drop_last it pads 41 samples to 42 by repeating the first, so sample 0 comes again last on rank 1
         val = rank0["val_indices"][epoch] + rank1["val_indices"][epoch]
-        assert sorted(val) == list(range(16))
+        assert sorted(val) == sorted([*range(41), 0]) and rank1["val_indices"][epoch][-1] == 0
+
+
+def test_the_validation_side_gets_one_decision_for_all_ranks(ddp_user_loaders):
+    rank0, rank1 = ddp_user_loaders
+    # one record per validation run, the same on both ranks: the job's numbers (the most starved rank's), one decision
+    assert len(rank0["val_history"]) == 2 and rank0["val_history"] == rank1["val_history"]
+    first, second = rank0["val_history"]
+    # validation starts on the training config; its 1 ms step starves where training's does not: more workers
+    assert first[2] in {window[2] for window in rank0["history"]} and first[3] > first[2] and second[2] == first[3]
+    # each rank's validation loader (Lightning's, with its DistributedSampler) ran the run's config
+    ran = [["DataLoader", "DistributedSampler", run[2]] for run in (first, second)]
+    assert rank0["val_loaders"] == rank1["val_loaders"] == ran

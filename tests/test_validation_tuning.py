@@ -8,17 +8,20 @@ process (the host idles while a GPU computes).
 from __future__ import annotations
 
 import logging
+import time
 
 import lightning.pytorch as pl
 import pytest
 from fit_workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import CombinedLoader
 from tb_events import scalars
 
 from lightning_dltune import DataLoaderTuner
 
 TRAIN, VAL, BATCH = 160, 40, 4
 VAL_COST_S = 0.03  # slow held-out storage: 30 ms a batch against a 1 ms validation step
+FAST_VAL = 24  # a second validation set, on fast storage
 
 
 class _DyingValData(SleepyDataModule):
@@ -29,9 +32,46 @@ class _DyingValData(SleepyDataModule):
         self.val_dataset = SleepyDataset(VAL, batch_cost_s=VAL_COST_S, fail_in_worker_above=1)
 
 
-def _fit(trainer_kwargs, data_cls=SleepyDataModule, **trainer_args):
+class _TwoValLoaders(SleepyDataModule):
+    """Two validation loaders: held-out data on slow storage (loader 0) and a small set on fast storage (1).
+
+    ``mode``: ``None`` returns a list (Lightning runs them one after another); else a ``CombinedLoader`` of it.
+    """
+
+    mode = None
+
+    def setup(self, stage):
+        super().setup(stage)
+        self.fast_val_dataset = SleepyDataset(FAST_VAL)
+
+    def val_dataloader(self):
+        self._shut_down_live(lambda trainer: trainer.val_dataloaders)
+        loaders = [self.build_loader(d, train=False) for d in (self.val_dataset, self.fast_val_dataset)]
+        return loaders if self.mode is None else CombinedLoader(loaders, self.mode)
+
+
+class _TwoValLoadersCombined(_TwoValLoaders):
+    mode = "max_size"  # a step takes a batch of each loader; the one that ran out gives None
+
+
+class _IdsPerLoader(SleepStepModule):
+    """Records each validation run's sample ids per validation loader: ``val_indices[run][dataloader_idx]``."""
+
+    def on_validation_epoch_start(self):
+        if not self.trainer.sanity_checking:
+            self.val_indices.append({})
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        parts = dict(enumerate(batch)) if isinstance(batch, list) else {dataloader_idx: batch}  # combined: a list
+        for idx, part in parts.items():
+            if part is not None and not self.trainer.sanity_checking:
+                self.val_indices[-1].setdefault(idx, []).extend(part["index"].tolist())
+        time.sleep(self.val_step_s)
+
+
+def _fit(trainer_kwargs, data_cls=SleepyDataModule, model_cls=SleepStepModule, **trainer_args):
     tuner = DataLoaderTuner(window_batches=10, window_seconds=0.2, max_workers=4)
-    model = SleepStepModule(step_s=0.02, val_step_s=0.001, record_indices=True)
+    model = model_cls(step_s=0.02, val_step_s=0.001, record_indices=True)
     data = data_cls(train_length=TRAIN, val_length=VAL, batch_size=BATCH, val_batch_cost_s=VAL_COST_S)
     trainer = pl.Trainer(callbacks=[tuner], **{**trainer_kwargs, **trainer_args})
     trainer.fit(model, datamodule=data)
@@ -80,20 +120,90 @@ def test_a_validation_switch_whose_workers_die_rolls_back_with_every_sample_once
 
 
 @pytest.mark.parametrize(
-    ("trainer_args", "runs"),
+    ("trainer_args", "data_cls", "runs", "ids"),
     [
-        (dict(val_check_interval=10, max_epochs=1), 4),  # 40 batches an epoch: at 10, 20, 30 and 40
-        (dict(check_val_every_n_epoch=2, max_epochs=4), 2),
-        (dict(limit_val_batches=4, max_epochs=2), 2),
-        (dict(num_sanity_val_steps=2, max_epochs=2), 2),  # no window for the sanity check
+        (dict(val_check_interval=10, max_epochs=1), SleepyDataModule, 4, {0: VAL}),  # 40 batches: at 10, 20, 30, 40
+        (dict(check_val_every_n_epoch=2, max_epochs=4), SleepyDataModule, 2, {0: VAL}),
+        (dict(limit_val_batches=4, max_epochs=2), SleepyDataModule, 2, {0: 4 * BATCH}),  # the first 4 batches
+        (dict(limit_val_batches=0.5, max_epochs=2), SleepyDataModule, 2, {0: VAL // 2}),  # 5 of 10 batches
+        (dict(num_sanity_val_steps=2, max_epochs=2), SleepyDataModule, 2, {0: VAL}),  # no window for the sanity check
+        (dict(num_sanity_val_steps=-1, max_epochs=2), SleepyDataModule, 2, {0: VAL}),  # a whole sanity run, left out
+        (dict(max_epochs=2), _TwoValLoaders, 2, {0: VAL, 1: FAST_VAL}),
+        (dict(max_epochs=2), _TwoValLoadersCombined, 2, {0: VAL, 1: FAST_VAL}),
     ],
-    ids=["val_check_interval-int", "check_val_every_n_epoch", "limit_val_batches", "sanity-steps"],
+    ids=[
+        "val_check_interval-int",
+        "check_val_every_n_epoch",
+        "limit_val_batches-int",
+        "limit_val_batches-float",
+        "sanity-steps",
+        "sanity-all",
+        "two-loaders",
+        "two-loaders-combined",
+    ],
 )
 @pytest.mark.slow
-def test_each_validation_run_is_one_validation_window(trainer_kwargs, trainer_args, runs):
-    tuner, model, _ = _fit(trainer_kwargs, **trainer_args)
+def test_each_validation_run_is_one_validation_window(trainer_kwargs, trainer_args, data_cls, runs, ids):
+    tuner, model, data = _fit(trainer_kwargs, data_cls, _IdsPerLoader, **trainer_args)
     assert len(tuner.val_history) == len(model.val_indices) == runs
-    if "limit_val_batches" in trainer_args:
-        assert {r.stats.batches for r in tuner.val_history} == {4}
-    else:
-        _every_val_sample_once_per_run(model)
+    # every run saw each loader's samples once (the first batches' ones where limit_val_batches cuts the run)
+    expected = {idx: list(range(n)) for idx, n in ids.items()}
+    assert [{idx: sorted(seen) for idx, seen in run.items()} for run in model.val_indices] == [expected] * runs
+    batches = {idx: -(-n // BATCH) for idx, n in ids.items()}
+    combined = data_cls is _TwoValLoadersCombined  # a step takes a batch of each loader
+    assert {r.stats.batches for r in tuner.val_history} == {
+        max(batches.values()) if combined else sum(batches.values())
+    }
+    # several loaders: each one's part of each run, its own batches (one loader: nothing more to show)
+    parts = [(p.run, p.dataloader_idx, p.stats.batches) for p in tuner.val_loader_history]
+    assert parts == ([(run, idx, n) for run in range(runs) for idx, n in batches.items()] if len(ids) > 1 else [])
+    # the starved validation side got workers of its own after its first run; training kept its config
+    assert tuner.val_history[0].next_config.num_workers > 0 and data.val_config.num_workers > 0
+    assert data.loader_config.num_workers == 0
+
+
+def _table_rows(output):
+    """The validation table's rows from the console output, split into cells (title, header and rule left out)."""
+    table = output[output.index("lightning-dltune: validation loaders") :].splitlines()[3:]
+    return [line.split() for line in table if line.strip()][: 3 * 2]  # two runs, each `all` and two loaders
+
+
+@pytest.mark.slow
+def test_several_validation_loaders_are_each_measured_and_the_slow_one_starves_more(trainer_kwargs, tmp_path, capsys):
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    tuner, model, _ = _fit(
+        trainer_kwargs, _TwoValLoaders, _IdsPerLoader, max_epochs=2, logger=logger, enable_progress_bar=True
+    )
+    output = capsys.readouterr().out  # the console lines and the tables go through the progress bar
+    expected = {0: list(range(VAL)), 1: list(range(FAST_VAL))}
+    assert [{idx: sorted(ids) for idx, ids in run.items()} for run in model.val_indices] == [expected] * 2
+    runs, parts = tuner.val_history, tuner.val_loader_history
+    assert len(runs) == 2 and [(p.run, p.dataloader_idx) for p in parts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for run, record in enumerate(runs):  # the run (one config for both loaders) is its loaders' parts together
+        mine = [p.stats for p in parts if p.run == run]
+        assert sum(s.batches for s in mine) == record.stats.batches == 10 + 6
+        assert sum(s.samples for s in mine) == record.stats.samples == VAL + FAST_VAL
+        assert sum(s.fetch_wait_total_s for s in mine) == pytest.approx(record.stats.fetch_wait_total_s)
+    # read back from TensorBoard: each loader's own series, at the run's step; the slow storage starves its loader
+    logged = scalars(str(tmp_path))
+    assert [x for x, _ in logged["dltune/val/0/starvation_ratio"]] == [
+        x for x, _ in logged["dltune/val/starvation_ratio"]
+    ]
+    series = lambda idx, name: [v for _, v in logged[f"dltune/val/{idx}/{name}"]]  # noqa: E731
+    slow, fast = series(0, "starvation_ratio"), series(1, "starvation_ratio")
+    assert len(slow) == len(fast) == 2 and slow[0] > 0.7 and slow[0] > 2 * fast[0]  # both on 0 workers
+    assert series(0, "fetch_wait_ms")[0] > 5 * series(1, "fetch_wait_ms")[0]
+    assert series(1, "samples_per_s")[0] > 2 * series(0, "samples_per_s")[0]
+    # with workers of its own the slow loader still waits longer (30 ms a batch: 4 workers cannot keep up)
+    assert series(0, "fetch_wait_ms")[1] > series(1, "fetch_wait_ms")[1]
+    # the console: each run's line names each loader's starvation, the table gives each loader rows of its own
+    assert output.count("| loaders 0: ") == 2
+    rows = _table_rows(output)
+    assert [row[2] if row[2] == "all" else row[0] for row in rows] == ["all", "0", "1"] * 2
+    assert [int(row[1]) for row in rows if row[2] != "all"] == [10, 6] * 2
+    first_slow, first_fast = (float(row[4].rstrip("%")) for row in rows[1:3])
+    assert first_slow > first_fast
+    # a checkpoint keeps them (and the spawn hand-over, which goes through the same state)
+    restored = DataLoaderTuner()
+    restored.load_state_dict(tuner.state_dict())
+    assert restored.val_loader_history == parts

@@ -125,9 +125,12 @@ def check_lightning_internals() -> None:
         missing.append("_DataFetcher.iterator")
     if "self._combined_loader" not in inspect.getsource(fit_loop._FitLoop):
         missing.append("_FitLoop._combined_loader")
+    from lightning.pytorch.loops import evaluation_loop
+
+    if "self._combined_loader" not in inspect.getsource(evaluation_loop._EvaluationLoop):
+        missing.append("_EvaluationLoop._combined_loader")
     if "self._mode" not in inspect.getsource(combined_loader.CombinedLoader):
         missing.append("CombinedLoader._mode")
-    from lightning.pytorch.loops import evaluation_loop
     from lightning.pytorch.trainer.connectors import data_connector
 
     for loop, name in ((fit_loop._FitLoop, "_FitLoop"), (evaluation_loop._EvaluationLoop, "_EvaluationLoop")):
@@ -145,13 +148,16 @@ def check_lightning_internals() -> None:
         )
 
 
-def fetches_per_step(trainer: Any, reporting_loaders: int) -> int:
-    """How many of the reporting train loaders hand over a batch for every step.
+def fetches_per_step(trainer: Any, reporting_loaders: int, validation: bool = False) -> int:
+    """How many of the reporting train (``validation``: val) loaders hand over a batch for every step.
 
-    Several train loaders are combined by Lightning's ``CombinedLoader``: in its ``sequential`` mode a
-    step takes one loader's batch, in the others one batch of each.
+    Several loaders are combined by Lightning's ``CombinedLoader``: in its ``sequential`` mode a step
+    takes one loader's batch, in the others one batch of each. Validation combines a list or dict of
+    loaders sequentially; a ``CombinedLoader`` returned by ``val_dataloader()`` keeps its own mode.
     """
     if reporting_loaders <= 1:
         return 1
-    combined = getattr(trainer.fit_loop, "_combined_loader", None)
-    return 1 if getattr(combined, "_mode", None) == "sequential" else reporting_loaders
+    loop = getattr(trainer.fit_loop.epoch_loop, "val_loop", None) if validation else trainer.fit_loop
+    combined = getattr(loop, "_combined_loader", None)
+    mode = getattr(combined, "_mode", "sequential" if validation else None)  # validation's default
+    return 1 if mode == "sequential" else reporting_loaders

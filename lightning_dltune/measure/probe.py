@@ -107,8 +107,8 @@ class WindowProbe:
             loader.fetch_recorder = self.meter
         # a step takes a batch of each train loader (unless Lightning combines them sequentially); with
         # our loaders each reports its own fetch, plain ones are timed together around the combined fetch
-        # validation runs its loaders one after another: one fetch per step
-        self._parts = 1 if self.validation else fetches_per_step(trainer, len(self._loaders))
+        # validation runs a list of loaders one after another (one fetch per step), a CombinedLoader in its mode
+        self._parts = fetches_per_step(trainer, len(self._loaders), self.validation)
         self._per_step = self._parts if self.tuned_loaders else 1
         self._bytes_hint = datamodule.estimate_batch_bytes if datamodule is not None else None
         self._first = True

@@ -19,6 +19,7 @@ from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.history import best_config, median_rate
 from lightning_dltune.core.records import WindowRecord
 from lightning_dltune.measure.lightning_internals import loader_owner
+from lightning_dltune.measure.val_loaders import ValLoaderRun
 from lightning_dltune.report.console import say
 from lightning_dltune.report.timeline import fit_timeline
 from lightning_dltune.report.validation import val_table
@@ -124,8 +125,10 @@ def conclude_fit(
     write_file: bool,
     verbose: int,
     val_history: Sequence[WindowRecord] = (),
+    val_loaders: Sequence[ValLoaderRun] = (),
 ) -> tuple[Optional[LoaderConfig], Optional[str]]:
-    """At the end of a fit: the recommended config and, on rank zero, the table, the fragment's file and
+    """At the end of a fit: the recommended config and, on rank zero, the tables (``val_loaders``: each
+    validation loader's part of the runs, where there are several), the fragment's file and
     the timeline picture (:mod:`~lightning_dltune.report.timeline`; drawn with or without a recommendation).
 
     No file without a logger (no log dir) nor under ``fast_dev_run`` (Lightning suppresses logging):
@@ -142,7 +145,7 @@ def conclude_fit(
         val = _val_recommendation(best, val_history, min_gain)
         path = _say_recommendation(trainer, history, best, directory if write_file else None, verbose, val)
     if val_history and verbose >= VERBOSE_LINE:
-        say(trainer, val_table(val_history))
+        say(trainer, val_table(val_history, val_loaders))
     if directory and history:
         fit_timeline(trainer, history, directory, verbose, val_history)
     return (None if best is None else best.config), path
