@@ -117,7 +117,7 @@ class WindowProbe:
     def start(self, config: Optional[LoaderConfig]) -> None:
         """A new window of ``config`` from now on (its first steps may be warm-up where the loaders just
         started: at an epoch start, or after a switch to another config)."""
-        fresh = self._first or config != self.config
+        fresh = (self._first or config != self.config) and not self.validation  # a run is judged whole
         self.meter.reset()
         self.meter.fresh = fresh
         self.config = config

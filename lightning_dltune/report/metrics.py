@@ -105,12 +105,12 @@ def lightning_step(global_step: int) -> int:
 def window_span(trainer: Any, record: WindowRecord) -> tuple[int, int]:
     """The x of a window's first and last batch (:func:`lightning_step`), both inclusive.
 
-    The first is counted back from the last by the window's measured batches (in optimizer steps, under
+    The first is counted back from the last by the window's batches, warm-up included (in optimizer steps, under
     gradient accumulation): never before the true first, so never before an earlier window's last point
     (TensorBoard keeps a tag's points only while their steps increase).
     """
     last = lightning_step(trainer.global_step if record.step is None else record.step)
-    steps = record.stats.batches // max(1, trainer.accumulate_grad_batches)
+    steps = record.stats.all_batches // max(1, trainer.accumulate_grad_batches)  # its warm-up steps included
     return max(last - max(steps, 1) + 1, 0), last
 
 
