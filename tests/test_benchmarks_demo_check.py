@@ -1,0 +1,49 @@
+"""The demo check's reading of a demo console: the first look, contradicting verdicts, the recommendation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import demo_check  # noqa: E402
+
+TABLE = """\
+lightning-dltune: loader tuning
+epoch   batches   workers   prefetch   GPU busy   judged   starved   step ms   samples/s   verdict
+───────────────────────────────────────────────────────────────────────────────────────────────────────────
+    0   1-10            0          2       ~28%     ~28%       72%        32         279   data-bound (I/O)
+    0   11-end          5          2       ~96%     ~96%        4%        40         762   in band
+    1   1-end           5          2       ~95%     ~95%        5%        39         783   in band
+"""
+GOOD = (
+    "[dltune] epoch 0 to batch 10 | workers 0 -> 5, prefetch 2 | GPU busy 28% (estimate) | data-bound (I/O)\n"
+    "[dltune] validation at step 56 | workers 5, prefetch 2 | starved 12% | in band\n"
+    "[dltune] epoch 0 | workers 5, prefetch 2 | GPU busy 96% (estimate) | in band\n"
+    + TABLE
+    + "recommended: workers=5 prefetch=2 pin=off persistent=on (762 samples/s, its median window: epoch 0)\n"
+)
+
+
+def test_a_good_demo_passes_every_check():
+    result = demo_check.judge(GOOD, epochs=2)
+    assert result["first_look_finds_starvation"] and not result["contradicting_verdicts"]
+    assert result["recommendation_not_slower"] and result["best_window_last_two_epochs_samples_per_s"] == 783
+
+
+def test_a_first_look_in_band_a_data_bound_verdict_at_98_and_a_slow_recommendation_are_caught():
+    bad = (
+        GOOD.replace(
+            "workers 0 -> 5, prefetch 2 | GPU busy 28% (estimate) | data-bound (I/O)",
+            "workers 0, prefetch 2 | GPU busy 85% (estimate) | in band",
+        )
+        .replace("GPU busy 96% (estimate) | in band", "GPU busy 98% (estimate) | data-bound (CPU saturated)")
+        .replace("(762 samples/s", "(600 samples/s")
+    )
+    result = demo_check.judge(bad, epochs=2)
+    assert not result["first_look_finds_starvation"]
+    assert result["contradicting_verdicts"] == [
+        "[dltune] epoch 0 | workers 5, prefetch 2 | GPU busy 98% (estimate) | data-bound (CPU saturated)"
+    ]
+    assert not result["recommendation_not_slower"]
