@@ -29,7 +29,7 @@ NO_BATCH = -1  # "at the epoch end" for a close, "never" for a look
 _MOST_BATCHES = 1 << 20  # a window's length in batches is capped here (a step of microseconds)
 WARMUP_FACTOR = 1.5  # a step this much slower than the window's settled pace is warm-up, not evidence ...
 WARMUP_FLOOR_S = 0.005  # ... and at least this much slower (a few ms of noise on a sub-ms step is not warm-up)
-_FALLING = 0.67  # the last third of a window this much faster than its middle third: the pace still falls
+_FALLING = 0.67  # the last third of the settled steps this much faster than their first third: the pace still falls
 _MOST_SETTLING = 4  # a window whose pace still falls goes on to at most this many times its planned length
 
 
