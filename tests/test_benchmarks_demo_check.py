@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import demo_check  # noqa: E402
+# loaded from its file: benchmarks/ stays off sys.path (the test helpers come first there)
+_SPEC = importlib.util.spec_from_file_location(
+    "demo_check", Path(__file__).resolve().parents[1] / "benchmarks" / "demo_check.py"
+)
+demo_check = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(demo_check)
 
 TABLE = """\
 lightning-dltune: loader tuning
