@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -48,7 +49,7 @@ def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:
     if n < 6:
         return 0, False
     third = n // 3
-    settled = _median(steps[n - third :])
+    settled = statistics.median_high(steps[n - third :])
     limit = max(WARMUP_FACTOR * settled, settled + WARMUP_FLOOR_S)
     k = 0
     while k < n - 1 and not (steps[k] <= limit and steps[k + 1] <= limit):
@@ -59,13 +60,8 @@ def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:
     part = len(rest) // 3
     if part < 2:
         return k, k > n // 2
-    early, late = _median(rest[:part]), _median(rest[-part:])
+    early, late = statistics.median_high(rest[:part]), statistics.median_high(rest[-part:])
     return k, k > n // 2 or (late < _FALLING * early and early - late > WARMUP_FLOOR_S)
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 @dataclass
@@ -106,7 +102,7 @@ class WindowSchedule:
         """Whether a window that closes mid-epoch while its pace still falls (``stats.settling``) goes on
         rather than be judged: up to :data:`_MOST_SETTLING` times its planned length."""
         planned = self.window_batches if seen else (self.first_batches or self.window_batches)
-        return bool(stats.settling) and stats.batches + stats.warmup_batches < _MOST_SETTLING * planned
+        return bool(stats.settling) and stats.all_batches < _MOST_SETTLING * planned
 
     def open(self, first_batch: int, epoch_batches: float, mid_epoch: bool, seen: bool, looks: bool = False) -> None:
         """A window opens at batch index ``first_batch`` of an epoch of ``epoch_batches`` (``inf``: unknown).

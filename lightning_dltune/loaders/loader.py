@@ -113,7 +113,12 @@ class ProductionCounters:
     def histogram(self) -> list[float]:
         """Timed batches per wall-time bin, summed over all slots (see :func:`histogram_quantile`)."""
         arr = self._array
-        return [sum(arr[4 + k :: _FIELDS]) for k in range(_BINS)]
+        counts = [0.0] * _BINS
+        for base in range(0, len(arr), _FIELDS):
+            if arr[base + 1]:  # only the slots of processes that timed a batch (a few of the 1024)
+                for k, n in enumerate(arr[base + 4 : base + _FIELDS]):
+                    counts[k] += n
+        return counts
 
 
 # Start of the batch being produced in this process (workers produce one batch at a time).
