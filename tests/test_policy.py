@@ -217,12 +217,43 @@ def test_a_small_expected_gain_that_does_not_show_proves_nothing():
     assert decision.verdict == Verdict.DATA_BOUND_IO
 
 
-def test_saturated_cpus_hold_without_adding():
-    stats = window(30, 10, worker_ms=280, cpu_fraction=1.0)  # 7 workers x 40 ms per loop turn
-    decision = decide(cfg(7), stats, Budget(max_workers=32, cpus=8))
-    assert decision.config == cfg(7)
-    assert decision.verdict == Verdict.DATA_BOUND_CPU
-    assert decision.reason.kind == ReasonKind.CPUS_SATURATED and decision.reason["cpus"] == 8
+def test_saturated_cpus_measure_the_work_shared_out_once_then_hold():
+    budget = Budget(max_workers=32, cpus=8)
+    stats = window(30, 10, worker_ms=280, cpu_fraction=1.0)  # 7 workers x 40 ms per loop turn: 8 CPUs busy
+    probe = decide(cfg(7), stats, budget)
+    # the 7 x 2 batches in flight, one a worker: measured once, since contention's cost is not modelled
+    assert probe.config == cfg(14, 1) and probe.verdict == Verdict.DATA_BOUND_CPU
+    assert probe.reason.kind == ReasonKind.MORE_WORKERS and probe.reason["sized_by"] == "probe"
+    assert "the CPUs are busy" in reason_text(probe.reason)
+    # twice the workers at half a core each: the same throughput, on two windows: back to 7 x 2
+    shared = window(30, 10, worker_ms=560, cpu_fraction=0.5)
+    history = [record(0, cfg(7), stats, cfg(14, 1)), record(1, cfg(14, 1), shared, cfg(14, 1))]
+    back = decide(cfg(14, 1), shared, budget, history)
+    assert back.config == cfg(7) and back.reason.kind == ReasonKind.STOPPED_HELPING
+    assert "back to 7 workers x prefetch 2" in reason_text(back.reason)
+    # and held there: the CPUs are busy and the probe was measured under today's conditions
+    history.append(record(2, cfg(14, 1), shared, cfg(7)))
+    held = decide(cfg(7), stats, budget, history)
+    assert held.config == cfg(7) and held.verdict == Verdict.DATA_BOUND_CPU
+    assert held.reason.kind in (ReasonKind.CPUS_SATURATED, ReasonKind.AT_WORKER_CEILING)
+
+
+def test_oversubscribed_cpus_cut_workers_and_deep_prefetch_although_starved():
+    # 16 x 8 on 2 CPUs, starved, the CPUs busy: the cut is taken although the loop starves at 16 x 8
+    stats = window(30, 20, worker_ms=400, cpu_fraction=0.25, batch_bytes=MB)
+    budget = Budget(max_workers=16, cpus=2)
+    decision = decide(cfg(16, 8), stats, budget, [record(0, cfg(16, 8), stats, cfg(16, 8))])
+    assert decision.reason.kind == ReasonKind.OVERSUBSCRIBED and decision.verdict == Verdict.DATA_BOUND_CPU
+    # batches in flight beyond one a worker only hold memory where the queue is empty: prefetch goes first
+    assert decision.config == cfg(16, 1)
+    assert "prefetch 8 -> 1 (the queue is empty whatever its depth)" in reason_text(decision.reason)
+    # then the workers the CPUs carry, once that cut was judged
+    history = [record(0, cfg(16, 8), stats, cfg(16, 8)), record(1, cfg(16, 8), stats, cfg(16, 1))]
+    history += [record(2, cfg(16, 1), stats, cfg(16, 1))]
+    workers = decide(cfg(16, 1), stats, budget, history)
+    assert workers.reason.kind == ReasonKind.OVERSUBSCRIBED and workers.config.num_workers < 16
+    assert workers.config.prefetch_factor == 1
+    assert "CPU-bound, 16 workers x prefetch 1 -> " in reason_text(workers.reason)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -603,7 +634,12 @@ def pipelines(draw, kind: Optional[str] = None, noise: float = 0.05) -> Pipeline
     measured = draw(st.sampled_from([True, True, False]))  # False: a loader we did not build
     main_measured = draw(st.booleans())  # whether the window says the training process's CPU share
     return Pipeline(
-        cpu_s=cpu_s, io_s=io_s, step_s=step, batch_bytes=draw(st.integers(1, 64)) * MB, noise=noise, measured=measured,
+        cpu_s=cpu_s,
+        io_s=io_s,
+        step_s=step,
+        batch_bytes=draw(st.integers(1, 64)) * MB,
+        noise=noise,
+        measured=measured,
         main_measured=main_measured,
     )
 
@@ -617,10 +653,7 @@ def budgets(draw, cores: int) -> Budget:
 
 
 starts = st.builds(
-    LoaderConfig,
-    num_workers=st.integers(0, 32),
-    prefetch_factor=st.integers(1, 8),
-    pin_memory=st.booleans(),
+    LoaderConfig, num_workers=st.integers(0, 32), prefetch_factor=st.integers(1, 8), pin_memory=st.booleans()
 )
 cores_ = st.integers(2, 128)
 

@@ -37,22 +37,28 @@ How :func:`decide` thinks, first rule that applies wins:
    each time it repeats. Other undone configs are not tried again under the same conditions. A slower
    step up of several workers is retried smaller before the CPUs are called saturated: no CPU limit is
    declared at a count not measured against one worker more.
-5. **Below the band and starved:** add throughput, sized by the model rather than by doubling. The
-   tuner's loaders measure, inside the workers, the wall and CPU time to make one batch and its p95;
-   Little's law gives the workers that feed the step (with ``headroom``, 20 %), the p95 adding what
-   in-order delivery costs (the loop waits for the slowest outstanding batch: see
-   :mod:`~lightning_dltune.core.model`), so one rebuild lands near the answer. CPU work slows down once
-   workers outnumber the CPUs and waiting on storage does not: a CPU-bound pipeline stops near the core
-   count, an I/O-bound one goes past it. **The measurement decides:** where the model sees no gain, or
-   stops at the CPUs it counts, yet the CPUs were not measured busy, one step up is measured instead,
-   sized by the loop's own delivery (each worker delivering what it did in the window), if that step
-   is expected to gain twice ``min_gain`` (past the model's CPU limit with an unknown CPU share, one
-   worker at a time). Workers also stop where the last increase gained less than ``min_gain`` although
-   the model (or, for a measured step, the delivery) expected at least twice that, or at the budget;
-   memory may cap them. Bursty stalls (most fetches find a batch ready, the workers make enough on
-   average) get deeper prefetch instead. Where prefetched batches are a noticeable share (a quarter)
-   of the memory budget, new workers start at prefetch 1: steady starvation needs one batch in flight
-   per worker, and bursts then earn deeper prefetch.
+5. **Below the band and starved:** add throughput, sized by the model rather than by doubling. The tuner's
+   loaders measure, inside the workers, the wall and CPU time to make one batch and its p95; Little's law
+   gives the workers that feed the step (with ``headroom``, 20 %), the p95 adding what in-order delivery
+   costs (the loop waits for the slowest outstanding batch: see :mod:`~lightning_dltune.core.model`), so
+   one rebuild lands near the answer. CPU work slows down once workers outnumber the CPUs and waiting on
+   storage does not: a CPU-bound pipeline stops near the core count, an I/O-bound one goes past it. **The
+   measurement decides:** where the model sees no gain, or stops at the CPUs it counts, yet the CPUs were
+   not measured busy, one step up is measured instead, sized by the loop's own delivery (each worker
+   delivering what it did in the window), if that step is expected to gain twice ``min_gain`` (past the
+   model's CPU limit with an unknown CPU share, one worker at a time). **On CPUs measured busy** the model
+   cannot say what sharing the work out otherwise costs (a batch's CPU cost and in-order delivery's idling
+   depend on it), so that is measured too, once under the same conditions: past the CPUs' count, prefetch
+   goes to 1 first (the queue is empty whatever its depth: deeper only holds memory), then the workers the
+   CPUs carry; at it, the workers x prefetch batches in flight go to one a worker over more workers (at
+   least one more, at most twice as many). A cut taken on a starved window is judged by its speed beyond
+   the noise of its windows, a step up on busy CPUs that gains less than ``min_gain`` goes back. Workers
+   also stop where the last increase gained less than ``min_gain`` although the model (or, for a measured
+   step, the delivery) expected at least twice that, or at the budget; memory may cap them. Bursty stalls
+   (most fetches find a batch ready, the workers make enough on average) get deeper prefetch instead. Where
+   prefetched batches are a noticeable share (a quarter) of the memory budget, new workers start at
+   prefetch 1: steady starvation needs one batch in flight per worker, and bursts then earn deeper
+   prefetch.
 6. **Below the band, not starved:** *compute-bound*; more workers cannot help, nothing changes.
 7. **Above the band:** the data side has slack, and slack costs processes and memory: give all of it
    back in one step, the fewest workers the model says keep utilization at the band's top by the
@@ -274,11 +280,12 @@ class _Case:
         """The verdict of a hold that no rule explains better: the window's own diagnosis."""
         return _window_verdict(self.stats, self.settings, self.data_verdict)
 
-    def allowed(self, config: LoaderConfig) -> bool:
-        """Not undone recently, nor down to (or below) a config starved under today's conditions or one that a
-        step up paid to leave (going back there would undo a step that paid: ping-pong)."""
+    def allowed(self, config: LoaderConfig, starved_below: bool = True) -> bool:
+        """Not undone recently, nor down to (or below) a config starved under today's conditions (unless
+        ``starved_below`` is off) or one that a step up paid to leave (going back there would undo a step that
+        paid: ping-pong)."""
         w, p = resources(config)
-        below = (*self.fit.starved, *self.fit.outgrown)
+        below = (*(self.fit.starved if starved_below else ()), *self.fit.outgrown)
         return config not in self.fit.rejected and not any(w <= sw and p <= sp for sw, sp in below)
 
 
@@ -370,11 +377,15 @@ def _judge_last_change(case: _Case) -> Optional[_Rule]:
         more_workers = last.kind is ChangeKind.MORE_WORKERS
         verdict = Verdict.DATA_BOUND_CPU if more_workers else case.held
         return last.before, verdict, Reason(ReasonKind.UNDO_SLOWER, {**numbers, "windows": last.windows})
-    starved = is_starved(stats, settings)
+    # a cut taken on a starved window (at measured saturation) is judged by its speed alone, and its memory saved is
+    # certain where its loss is noise: lost beyond twice the standard error of its windows' utilization too
+    cut_while_starved = is_starved(last.before_stats, settings)
+    starved = is_starved(stats, settings) and not cut_while_starved
+    noise = 2 * case.fit.util_error / max(stats.utilization, 1e-9) if cut_while_starved else 0.0
     # a give-back keeps the data side's speed (the utilization: the step drifts on its own): undone where it clearly
     # lost more than `min_gain` of it (by the hysteresis too: the model aims at half of it), unless the step itself
     # slowed meanwhile
-    slower = last.util_gain < -(settings.min_gain + settings.hysteresis) and not last.contention
+    slower = last.util_gain < -(settings.min_gain + settings.hysteresis + noise) and not last.contention
     if last.kind is ChangeKind.GIVE_BACK and (starved or slower):
         numbers = {
             "config": pair(current),
@@ -471,18 +482,31 @@ def _add_throughput(case: _Case) -> _Rule:
 
 
 def _stopped_helping(case: _Case) -> Optional[_Rule]:
-    """The last step up of workers gained less than ``min_gain`` where the model expected twice that: no more."""
-    current, last = case.current, case.fit.last_change
-    if last is None or last.kind is not ChangeKind.MORE_WORKERS or not last.stopped_helping:
+    """The last step up of workers gained less than ``min_gain`` where the model expected twice that: no more.
+
+    On CPUs measured busy such workers only hold memory and fight over the cores, whatever was expected of
+    them: they go back (unless the step paid half of ``min_gain``: going back would undo a step that paid).
+    """
+    current, last, settings = case.current, case.fit.last_change, case.settings
+    if last is None or last.kind is not ChangeKind.MORE_WORKERS:
+        return None
+    give_back = case.cpu_bound and last.gain < settings.min_gain and case.allowed(last.before, starved_below=False)
+    if not (last.stopped_helping or give_back):
         return None
     numbers = {
         "from_workers": last.before.num_workers,
         "workers": current.num_workers,
         "gain": last.gain,
-        "min_gain": case.settings.min_gain,
+        "min_gain": settings.min_gain,
     }
     if not last.confirmed:
         return current, case.data_verdict, Reason(ReasonKind.CONFIRM_NO_GAIN, numbers)
+    if give_back:
+        return (
+            last.before,
+            Verdict.DATA_BOUND_CPU,
+            Reason(ReasonKind.STOPPED_HELPING, {**numbers, "to": pair(last.before)}),
+        )
     return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.STOPPED_HELPING, numbers)
 
 
@@ -544,7 +568,9 @@ def _more_workers(case: _Case, starved: dict) -> _Rule:
     gain = model.throughput(wanted) / model.throughput(workers) - 1.0
     if gain >= settings.min_gain:
         return _step_up(case, starved, cost, wanted)
-    measured = None if case.cpu_bound else _measured_step(case, starved, cost, reach)
+    measured = (
+        _saturated_probe(case, starved, cost, reach) if case.cpu_bound else _measured_step(case, starved, cost, reach)
+    )
     # contention eats what more workers would add: the model says they cannot help (and the CPUs agree)
     if measured is not None:
         return measured
@@ -570,6 +596,53 @@ def _measured_step(case: _Case, starved: dict, cost: dict, reach: int) -> Option
     if wanted <= workers or expected < 2 * case.settings.min_gain:
         return None
     return _step_up(case, starved, cost, wanted, sized_by="delivery")
+
+
+def _oversubscribed_cut(case: _Case, cpu_limit: int) -> Optional[LoaderConfig]:
+    """Past saturation, starved: first prefetch to 1 (the queue is empty whatever its depth: batches in flight
+    beyond one a worker only hold memory), then the workers the CPUs carry (the rest fight over the cores).
+
+    Taken although the loop starved at more resources: a cut at measured saturation is judged by its speed
+    (:func:`_judge_last_change`), and not while the last change is still being judged.
+    """
+    current = case.current
+    if _change_being_judged(case):
+        return None
+    cuts = [current.replace(prefetch_factor=1)] if current.prefetch_factor > 1 else []
+    cuts.append(current.replace(num_workers=cpu_limit, prefetch_factor=1))
+    return next((cut for cut in cuts if case.allowed(cut, starved_below=False)), None)
+
+
+def _saturated_probe(case: _Case, starved: dict, cost: dict, reach: int) -> Optional[_Rule]:
+    """Starved on CPUs measured busy: the same batches in flight shared over more workers, measured once.
+
+    Saturation says the cores are busy, not that the work cannot run faster shared out otherwise: a
+    batch's CPU cost and in-order delivery's idling both depend on how many workers make how many batches
+    each, and contention's cost is not modelled. So the workers x prefetch batches in flight go to one each
+    over more workers (at least one more, at most twice as many), within the budget. The step is judged
+    like any step up: kept where it pays ``min_gain``, given back where it does not (see
+    :func:`_stopped_helping`), undone where it is slower, and not tried again under the same conditions.
+    """
+    current, fit, stats, settings = case.current, case.fit, case.stats, case.settings
+    workers, prefetch = current.num_workers, current.prefetch_factor
+    if not case.cpu_bound or workers < 1 or workers >= reach or fit.worker_ceiling is not None:
+        return None
+    if _change_being_judged(case):
+        return None
+    wanted = min(reach, 2 * workers, max(workers + 1, workers * prefetch))
+    target, _ = clamp_to_budget(
+        current.replace(num_workers=wanted, prefetch_factor=1), stats.batch_bytes, case.budget, settings
+    )
+    if target.num_workers <= workers or target in fit.rejected:
+        return None
+    numbers = {**starved, **cost, "to_workers": target.num_workers, "prefetch": prefetch, "to_prefetch": 1}
+    return target, case.data_verdict, Reason(ReasonKind.MORE_WORKERS, {**numbers, "sized_by": "probe"})
+
+
+def _change_being_judged(case: _Case) -> bool:
+    """The last change is not yet measured on enough windows to be judged."""
+    last = case.fit.last_change
+    return last is not None and not last.confirmed
 
 
 def _modelled_cpu_verdict(case: _Case) -> Verdict:
@@ -638,14 +711,13 @@ def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling
         measured = _measured_step(case, starved, cost, reach)
     if measured is not None or limit != cpu_limit:
         return measured or (current, case.data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost}))
-    fewer = current.replace(num_workers=cpu_limit)
-    if case.cpu_bound and workers > cpu_limit and case.allowed(fewer):
-        # past saturation extra workers only hold memory and fight over the cores
-        return (
-            fewer,
-            Verdict.DATA_BOUND_CPU,
-            Reason(ReasonKind.OVERSUBSCRIBED, {**starved, **cpus, "to_workers": cpu_limit}),
-        )
+    cut = _oversubscribed_cut(case, cpu_limit) if case.cpu_bound and workers > cpu_limit else None
+    if cut is not None:
+        numbers = {**starved, **cpus, "prefetch": current.prefetch_factor, "to": pair(cut)}
+        return cut, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.OVERSUBSCRIBED, numbers)
+    probe = _saturated_probe(case, starved, cost, reach)
+    if probe is not None:
+        return probe
     if case.cpu_bound or workers >= reach or not model.cpu_known:
         verdict = _modelled_cpu_verdict(case)
         numbers = {**starved, **cpus, "cpu_bound": verdict is Verdict.DATA_BOUND_CPU}

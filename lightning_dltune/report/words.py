@@ -289,7 +289,19 @@ def _more_workers(v: dict[str, Any]) -> str:
     )
     if v.get("sized_by") == "delivery":  # the model saw no gain; the loop's own delivery says try one step up
         note += ", a step up to measure (the CPUs are not busy)"
+    elif v.get("sized_by") == "probe":  # the CPUs are busy; whether sharing the work out otherwise pays is measured
+        note += " at prefetch 1 (the same batches in flight, one a worker), measured once: the CPUs are busy"
     return f"{_starved(v)} with {_workers(v['workers'])}; {_cost(v)}: {_workers(v['to_workers'])}{note}"
+
+
+def _oversubscribed(v: dict[str, Any]) -> str:
+    head = f"{_starved(v)}; {_workers(v['workers'])} oversubscribe the {_cpus(v)}: the pipeline is CPU-bound, "
+    if "to" not in v:  # a reason recorded before the cut carried its config
+        return head + f"{v['workers']} -> {v['to_workers']}"
+    to_workers, to_prefetch = v["to"]
+    if to_workers == v["workers"]:
+        return head + f"prefetch {v['prefetch']} -> {to_prefetch} (the queue is empty whatever its depth)"
+    return head + f"{_short((v['workers'], v['prefetch']))} -> {_short(v['to'])}"
 
 
 def _lost(v: dict[str, Any]) -> str:
@@ -342,17 +354,18 @@ _WORDS = {
     ),
     ReasonKind.STOPPED_HELPING: lambda v: (
         f"adding workers {v['from_workers']} -> {v['workers']} gained {v['gain']:+.0%} (< {v['min_gain']:.0%}): "
-        f"the pipeline is CPU-bound, staying at {v['workers']}"
+        + (
+            f"the pipeline is CPU-bound, back to {_short(v['to'])} (the CPUs are busy)"
+            if "to" in v
+            else f"the pipeline is CPU-bound, staying at {v['workers']}"
+        )
     ),
     ReasonKind.DEEPER_PREFETCH: _bursts,
     ReasonKind.AT_WORKER_CEILING: lambda v: (
         f"{_starved(v)} with {_workers(v['workers'])}, but adding workers stopped helping at {v['ceiling']}: "
         "the pipeline is CPU-bound"
     ),
-    ReasonKind.OVERSUBSCRIBED: lambda v: (
-        f"{_starved(v)}; {_workers(v['workers'])} oversubscribe the {_cpus(v)}: the pipeline is CPU-bound, "
-        f"{v['workers']} -> {v['to_workers']}"
-    ),
+    ReasonKind.OVERSUBSCRIBED: _oversubscribed,
     ReasonKind.CPUS_SATURATED: lambda v: (
         f"{_starved(v)}, but {_workers(v['workers'])} already keep the {_cpus(v)} busy: the pipeline is CPU-bound"
         if v.get("cpu_bound", True)
