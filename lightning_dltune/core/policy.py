@@ -420,8 +420,9 @@ def _against_the_band(case: _Case, latest: WindowStats) -> _Rule:
                 Reason(ReasonKind.COMPUTE_BOUND, {"util": util, "starvation": starvation}),
             )
         return _add_throughput(case)
-    if util > high + settings.hysteresis + 2 * fit.util_error or _slack_the_estimate_hides(case, latest):
-        return _give_back(case)
+    clearly_above = util > high + settings.hysteresis + 2 * fit.util_error
+    if clearly_above or _slack_the_estimate_hides(case, latest):
+        return _give_back(case, above=clearly_above)
     return (
         _below_the_edge(case)
         or _deeper_at_the_budget(case)
@@ -738,9 +739,13 @@ def _light_prefetch(target: LoaderConfig, batch_bytes: Optional[int], budget: Bu
     return target
 
 
-def _give_back(case: _Case) -> _Rule:
+def _give_back(case: _Case, above: bool = True) -> _Rule:
     """7. Above the band: the fewest workers (and, where the queue never ran dry, prefetch back to the default)
-    the model says keep the band's top and the throughput, on two windows' evidence."""
+    the model says keep the band's top and the throughput, on two windows' evidence.
+
+    ``above`` off: slack the estimate hides in the band (:func:`_slack_the_estimate_hides`); the estimate
+    cannot climb past the band's top there, so only the throughput is to be kept.
+    """
     current, stats, fit = case.current, case.stats, case.fit
     util, starvation = stats.utilization, stats.starvation_ratio
     workers, prefetch = current.num_workers, current.prefetch_factor
@@ -753,7 +758,7 @@ def _give_back(case: _Case) -> _Rule:
     # confirmed slack (it saves memory only: no hurry)
     queue_idle = stats.stall_fraction <= _DRY_QUEUE and starvation <= _DRY_QUEUE / 5
     shallower = min(prefetch, _DEFAULT_PREFETCH) if workers and queue_idle and confirmed else prefetch
-    leaner = _leanest_keeping(case, shallower, above=True) if confirmed else None
+    leaner = _leanest_keeping(case, shallower, above=above) if confirmed else None
     if leaner is not None:
         return leaner[0], verdict, _give_back_reason(case, leaner, seen)
     candidate = current.replace(prefetch_factor=shallower)

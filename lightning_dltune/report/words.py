@@ -284,13 +284,17 @@ def _in_band(v: dict[str, Any]) -> str:
 
 
 def _more_workers(v: dict[str, Any]) -> str:
+    if v.get("sized_by") == "probe":  # the CPUs are busy; whether sharing the work out otherwise pays is measured
+        note = f" x prefetch 1 (the {v['workers'] * v['prefetch']} batches in flight, one a worker), measured once:"
+        note += " the CPUs are busy, but how the work shares out is not modelled"
+        return (
+            f"{_starved(v)} with {_short((v['workers'], v['prefetch']))}; {_cost(v)}: {_workers(v['to_workers'])}{note}"
+        )
     note = (
         f", prefetch {v['prefetch']} -> {v['to_prefetch']} to fit memory" if v["to_prefetch"] != v["prefetch"] else ""
     )
     if v.get("sized_by") == "delivery":  # the model saw no gain; the loop's own delivery says try one step up
         note += ", a step up to measure (the CPUs are not busy)"
-    elif v.get("sized_by") == "probe":  # the CPUs are busy; whether sharing the work out otherwise pays is measured
-        note += " at prefetch 1 (the same batches in flight, one a worker), measured once: the CPUs are busy"
     return f"{_starved(v)} with {_workers(v['workers'])}; {_cost(v)}: {_workers(v['to_workers'])}{note}"
 
 
