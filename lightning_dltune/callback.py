@@ -45,7 +45,7 @@ from lightning_dltune.nvml.sampler import MODE_SAMPLES
 from lightning_dltune.report.console import Notices, say
 from lightning_dltune.report.metrics import add_panels, log_interval, log_window, window_scalars
 from lightning_dltune.report.recommendation import conclude_fit
-from lightning_dltune.report.validation import log_val_run, val_line, val_loader_scalars, val_scalars
+from lightning_dltune.report.validation import log_val_run, val_line, val_loader_scalars, val_scalars, val_start_line
 from lightning_dltune.report.words import VERBOSE_LINE, VERBOSE_REASON, window_line
 
 UTIL_SOURCE_CHOICES = ("auto", UtilSource.NVML.value, UtilSource.ESTIMATE.value)
@@ -633,6 +633,8 @@ class DataLoaderTuner(Callback):
             )
         if record is not None and trainer.is_global_zero:
             self._log_window(trainer, record)
+            if self._run.val_start is not None and self.verbose >= VERBOSE_LINE:
+                self._say_once(trainer, "val-start", val_start_line(self._run.val_start, record))
         if end_batch is not None:  # the rest of the epoch is measured in windows of the config it runs
             if record is not None:
                 self._probe.start(self._run.running_config(record))

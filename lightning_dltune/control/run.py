@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-from lightning_dltune.control.budgets import cap_after_failure
+from lightning_dltune.control.budgets import cap_after_failure, less_the_other_side
 from lightning_dltune.control.switchable import FailureListener, SwitchableLoaders
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.history import detect_shift, same_conditions
 from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, Decision, PolicySettings, WindowRecord
 from lightning_dltune.core.stats import WindowStats
+from lightning_dltune.core.val_start import first_val_config
 from lightning_dltune.core.windows import WindowSchedule
 
 Broadcast = Callable[[Any], Any]
@@ -72,8 +73,9 @@ class TuningRun:
         self.worker_cap: Optional[int] = None  # lowered when a switch rolled back
         self.restored_config: Optional[LoaderConfig] = None  # from a checkpoint, applied at fit start
         self.on_rollback: Optional[FailureListener] = None  # also told when a switch rolls back
-        self.restored_positions: list[dict[str, Any]] = []
-        self.restored_val_config: Optional[LoaderConfig] = None  # a project's own train loaders' places in the epoch
+        self.restored_positions: list[dict[str, Any]] = []  # a project's own train loaders' places in the epoch
+        self.restored_val_config: Optional[LoaderConfig] = None  # the validation side's own config, from a checkpoint
+        self.val_start: Optional[LoaderConfig] = None  # the validation side's first config, sized by a training window
 
     @property
     def tuning(self) -> bool:
@@ -129,7 +131,25 @@ class TuningRun:
         self.history.append(record)
         if self.tuning:
             self._apply(record, mid_epoch=end_batch is not None)
+            self._start_validation(record, budget)
         return record
+
+    def _start_validation(self, record: WindowRecord, budget: Budget) -> None:
+        """Before the validation side's first run: a config of its own, sized from this training window where the
+        shorter validation step needs more workers than the training config (:mod:`~lightning_dltune.core.val_start`).
+        """
+        datamodule = self.datamodule
+        assert datamodule is not None
+        if not self.tune_validation or self.val_history or self.val_start is not None:
+            return
+        if datamodule.has_val_config() or datamodule.held_workers() is not None:
+            return
+        follows = record.next_config
+        val_budget = less_the_other_side(budget, follows, record.stats.batch_bytes)  # the idle training workers
+        start = first_val_config(record.config, record.stats, follows, val_budget, self.settings)
+        if start is not None:  # a start, not a rebuild: the validation loaders have not run yet
+            self.val_start = start
+            datamodule.switch_val_loaders(start, on_failure=self.rolled_back)
 
     def close_val_run(
         self,

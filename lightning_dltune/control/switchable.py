@@ -31,6 +31,9 @@ class SwitchableLoaders(Protocol):
     def switch_train_loaders(self, config: LoaderConfig, on_failure: Optional[FailureListener] = None) -> int:
         """Switch the live training loaders to ``config`` where they stand; the number switched."""
 
+    def has_val_config(self) -> bool:
+        """Whether the validation loaders run a config of their own (else they follow the training one)."""
+
     def switch_val_loaders(self, config: LoaderConfig, on_failure: Optional[FailureListener] = None) -> int:
         """Give the validation loaders ``config`` of their own from their next run; the number switched."""
 

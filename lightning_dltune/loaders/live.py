@@ -164,6 +164,10 @@ class LiveLoaders:
                 switched += any(loader is t for t in train)
         return switched
 
+    def has_val_config(self) -> bool:
+        """Whether the validation loaders run a config of their own (else they follow the training one)."""
+        return self._val_config is not None
+
     def switch_val_loaders(self, config: LoaderConfig, on_failure: Optional[FailureListener] = None) -> int:
         """Give the validation loaders ``config`` of their own, from their next run on; returns how many switch.
 

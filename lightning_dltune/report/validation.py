@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.records import WindowRecord
 from lightning_dltune.core.stats import WindowStats
 from lightning_dltune.measure.val_loaders import ValLoaderRun
@@ -74,6 +75,17 @@ def val_line(record: WindowRecord, tuning: bool, parts: Sequence[ValLoaderRun] =
         f"[dltune] validation at step {record.step} | {config_change(record)}{change}"
         f" | starved {record.stats.starvation_ratio:.0%}{f' | loaders {loaders} starved' if parts else ''}"
         f" | {record.verdict}"
+    )
+
+
+def val_start_line(start: LoaderConfig, record: WindowRecord) -> str:
+    """The console's note on the validation side's first config, sized from the training window ``record``."""
+    s = record.stats
+    cost = f", a batch takes {1e3 * s.worker_batch_s:.0f} ms to make" if s.worker_batch_s is not None else ""
+    return (
+        f"[dltune] validation starts at {start.num_workers} workers x prefetch {start.prefetch_factor} of its own:"
+        " its step (no backward pass) is taken as a third"
+        f" of the training step's {1e3 * s.step_mean_s:.0f} ms{cost}; its own runs decide from the first on"
     )
 
 
