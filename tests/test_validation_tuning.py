@@ -228,3 +228,21 @@ def test_validation_starts_with_workers_sized_from_training_before_its_first_run
     assert "[dltune] validation starts at 3 workers x prefetch 2 of its own" in caplog.text
     _every_val_sample_once_per_run(model)
     assert [sorted(ids) for ids in model.train_indices] == [list(range(TRAIN))] * 2
+
+
+@pytest.mark.slow
+def test_a_validation_start_sized_too_generously_is_given_back_by_its_own_runs(trainer_kwargs):
+    # a validation step as long as the training step (a heavy metric): the start's third of it was wrong, and the
+    # workers it sized (3 for a 20 ms batch) are slack the validation runs give back
+    tuner = DataLoaderTuner(window_batches=10, window_seconds=0.2, max_workers=4)
+    model = SleepStepModule(step_s=0.03, val_step_s=0.03, record_indices=True)
+    data = SleepyDataModule(
+        train_length=TRAIN, val_length=VAL, batch_size=BATCH, batch_cost_s=0.02, val_batch_cost_s=0.02, num_workers=1
+    )
+    trainer = pl.Trainer(callbacks=[tuner], **{**trainer_kwargs, "max_epochs": 3, "val_check_interval": 0.5})
+    trainer.fit(model, datamodule=data)
+    runs = tuner.val_history
+    assert runs[0].num_workers == 3 and runs[0].stats.starvation_ratio < 0.1  # the start: slack
+    assert data.val_config.num_workers < 3 and runs[-1].num_workers < 3  # given back by the validation runs
+    assert data.loader_config.num_workers == 1
+    _every_val_sample_once_per_run(model)
