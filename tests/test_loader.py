@@ -127,3 +127,18 @@ def test_a_workers_fd_server_reset_at_shutdown_prints_no_traceback(monkeypatch):
     except ConnectionResetError:
         sys.excepthook(*sys.exc_info())
     assert seen == [ConnectionResetError]
+
+
+def test_the_production_histogram_gives_the_p95_and_the_slowest_batch():
+    from lightning_dltune.loaders.loader import ProductionCounters, histogram_quantile, histogram_top
+
+    counters = ProductionCounters()
+    assert histogram_top(counters.histogram()) is None
+    for _ in range(98):
+        counters.add(0.010, 0.001)
+    counters.add(0.200, 0.001)  # a heavy tail: two batches in a hundred, 20x slower
+    counters.add(0.200, 0.001)
+    counts = counters.histogram()
+    mean = counters.totals()[1] / counters.totals()[0]
+    assert histogram_quantile(counts, 0.95, mean) == pytest.approx(mean)  # the tail leaves the p95 alone
+    assert 0.200 <= histogram_top(counts) <= 0.200 * 2 ** 0.25  # the top of its bin: at most 19 % over

@@ -274,6 +274,19 @@ def test_above_band_gives_back_all_the_modelled_slack_in_one_step():
     assert (confirmed.reason["workers"], confirmed.reason["to_workers"]) == (16, 2)
 
 
+def test_above_band_keeps_the_lead_that_absorbs_a_heavy_tail():
+    # 7 x 8 batches in flight, 25 ms a loop turn: a lead of 1.4 s absorbs the one batch in fifty that takes 1 s;
+    # by the mean (70 ms) 3 workers would do, but 3 x 2 in flight would stall the loop at every slow batch
+    stats = replace(window(0.5, 25, stall_fraction=0.0, worker_ms=70, cpu_fraction=0.9), worker_batch_max_s=1.0)
+    history = [record(0, cfg(7, 8), stats, cfg(7, 8))]
+    held = decide(cfg(7, 8), stats, ROOMY, history)
+    assert held.config == cfg(7, 8) and held.reason.kind == ReasonKind.LEANEST
+    # the same slack without the tail: given back
+    plain = replace(stats, worker_batch_max_s=0.08)
+    given = decide(cfg(7, 8), plain, ROOMY, [record(0, cfg(7, 8), plain, cfg(7, 8))])
+    assert given.config.num_workers < 7 and given.reason.kind == ReasonKind.GIVE_BACK_WORKERS
+
+
 def test_above_band_gives_back_prefetch_when_workers_cannot_go():
     # 3 workers x 25 ms make 120 batches/s for a 100/s step: 2 workers would starve the loop
     stats = window(0, 10, stall_fraction=0.0, worker_ms=25, cpu_fraction=0.2)

@@ -186,3 +186,14 @@ def test_the_workers_p95_time_per_batch_pools_by_batches_reduces_to_the_worst_ra
 
 def replace_p95(stats: WindowStats, p95: Optional[float]) -> WindowStats:
     return dataclasses.replace(stats, worker_batch_p95_s=p95)
+
+
+def test_the_slowest_batch_pools_as_the_largest_and_reduces_to_the_slowest_rank():
+    a = window(10, 10, worker_batch_s=0.3, worker_batch_max_s=2.0)
+    b = window(20, 10, worker_batch_s=0.3, worker_batch_max_s=0.6)
+    assert pool_windows([a, b]).worker_batch_max_s == 2.0  # a tail seen in an earlier window of the config counts
+    assert pool_windows([a, dataclasses.replace(b, worker_batch_max_s=None)]).worker_batch_max_s is None
+    assert reduce_ranks([b, a]).worker_batch_max_s == 2.0
+    old = to_dict(a)
+    del old["worker_batch_max_s"]  # a checkpoint from before the field
+    assert from_dict(WindowStats, old).worker_batch_max_s is None

@@ -66,8 +66,13 @@ How :func:`decide` thinks, first rule that applies wins:
    windows' mean, and against the best utilization measured under today's conditions, so give-backs
    in a row do not add up) and, where the queue never ran dry, prefetch back to the default of 2.
    Never down to a config that was starved under today's conditions, nor to one a step up paid to
-   leave, and only on two windows' evidence (slack costs CPU and RAM, starving costs throughput; one
-   lucky window of a heavy-tailed cost is not slack).
+   leave, nor to a shorter lead than twice the slowest batch seen (the lead: workers x prefetch batches
+   in the loop's time, what absorbs a slow batch; a heavy tail, which the mean and the p95 miss), and
+   only on two windows' evidence (slack costs CPU and RAM, starving costs throughput; one
+   lucky window of a heavy-tailed cost is not slack). The estimate (1 - starvation) cannot climb past the
+   band where every fetch pays a fixed hand-over cost: a queue that never ran dry, fed by workers with
+   twice the capacity needed, is slack in the band all the same, and is given back by the throughput it
+   keeps alone (not by the band's top, which the estimate cannot reach).
 8. **In the band**, or not clearly outside it: hold, with three exceptions. Window after window below
    the band's low edge (four or more pooled, below it by twice their standard error) adds throughput
    as in 5 where the step is expected to gain twice ``min_gain``. At the worker budget and starved,
@@ -287,6 +292,24 @@ class _Case:
         w, p = resources(config)
         below = (*(self.fit.starved if starved_below else ()), *self.fit.outgrown)
         return config not in self.fit.rejected and not any(w <= sw and p <= sp for sw, sp in below)
+
+    def keeps_the_lead(self, config: LoaderConfig) -> bool:
+        """Whether a give-back to ``config`` keeps the lead that absorbs the slowest batch seen.
+
+        A batch is handed to a worker workers x prefetch batches before the loop needs it: that lead (in the
+        loop's time) absorbs a slow batch, and one slower than it stalls the loop. Where the slowest batch
+        seen under today's conditions (pooled windows: the largest) is long against the lead, a heavy
+        tail, the model's mean and p95 do not see it, and fewer batches in flight lose throughput: a give-back
+        keeps twice the slowest batch (it may be followed by another on the same worker), or the current
+        lead where that is shorter.
+        """
+        stats = self.stats
+        slowest = stats.worker_batch_max_s
+        if slowest is None or stats.batches <= 0 or config.num_workers == 0:
+            return True  # (without workers every batch is made in the loop's time: the mean counts each once)
+        pace = stats.busy_s / stats.batches
+        lead = lambda c: c.num_workers * c.prefetch_factor * pace  # noqa: E731
+        return lead(config) >= min(2.0 * slowest, lead(self.current))
 
 
 def _over_budget(case: _Case) -> Optional[_Rule]:
@@ -762,7 +785,7 @@ def _give_back(case: _Case, above: bool = True) -> _Rule:
     if leaner is not None:
         return leaner[0], verdict, _give_back_reason(case, leaner, seen)
     candidate = current.replace(prefetch_factor=shallower)
-    if shallower < prefetch and case.allowed(candidate):
+    if shallower < prefetch and case.allowed(candidate) and case.keeps_the_lead(candidate):
         return (
             candidate,
             verdict,
@@ -861,7 +884,7 @@ def _leanest_keeping(case: _Case, prefetch: int, above: bool) -> Optional[tuple[
         predicted = stats.utilization * kept
         if kept < keep or predicted < keep * best or (above and predicted < settings.band[1] + settings.hysteresis):
             continue
-        if case.allowed(candidate):
+        if case.allowed(candidate) and case.keeps_the_lead(candidate):
             return candidate, predicted
     return None
 

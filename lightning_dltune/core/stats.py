@@ -40,6 +40,7 @@ class Pool(_StrEnum):
     SUM = "sum"  # totals and counts add up
     MEAN = "batch-weighted mean"  # per-batch means, weighted by each window's batches; unknown if the latest is
     LATEST = "latest"  # the newest window's value (percentiles, sizes, states)
+    MAX = "max"  # the largest of the windows' (the slowest batch seen); unknown if the latest is
 
 
 class Reduce(_StrEnum):
@@ -77,6 +78,8 @@ class WindowStats:
             collate), measured inside the workers; ``None`` where the loader cannot say.
         worker_batch_p95_s: the 95th percentile of that wall time per batch (its spread: the loop takes
             batches in order, so it waits for the slowest one outstanding); ``None`` where unknown.
+        worker_batch_max_s: the slowest batch's wall time (the top of its histogram bin: up to 19 % over);
+            a batch slower than the lead the loop has on it (workers x prefetch batches) stalls the loop.
         worker_cpu_fraction: CPU time / wall time of that production (near 1: CPU-bound decode;
             near 0: waiting on storage); ``None`` where unknown.
         batch_bytes: bytes of one collated batch (tensors only); ``None`` where unknown.
@@ -108,6 +111,7 @@ class WindowStats:
     util_source: UtilSource = stat(UtilSource.ESTIMATE, Pool.LATEST, Reduce.MIN)
     main_cpu_fraction: Optional[float] = stat(None, Pool.MEAN, Reduce.MAX)  # the busiest training process
     worker_batch_p95_s: Optional[float] = stat(None, Pool.MEAN, Reduce.WORST)  # same conditions: p95s average
+    worker_batch_max_s: Optional[float] = stat(None, Pool.MAX, Reduce.MAX)  # the slowest batch any rank saw
     warmup_batches: int = stat(0, Pool.SUM, Reduce.MAX)
     settling: int = stat(0, Pool.LATEST, Reduce.MAX)  # any rank still warming up
 
@@ -185,6 +189,9 @@ def pool_windows(windows: Sequence[S]) -> S:
             values[name] = sum(getattr(w, name) for w in windows)
         elif pool is Pool.MEAN:
             values[name] = _batch_weighted(windows, name) if getattr(latest, name) is not None else None
+        elif pool is Pool.MAX:
+            known = [v for v in (getattr(w, name) for w in windows) if v is not None]
+            values[name] = max(known) if getattr(latest, name) is not None else None
         else:
             values[name] = getattr(latest, name)
     return type(latest)(**values)

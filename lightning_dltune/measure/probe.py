@@ -16,7 +16,14 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.stats import WindowStats
 from lightning_dltune.loaders.collection import flatten_loaders
-from lightning_dltune.loaders.loader import TunedLoader, batch_tensors, counters_of, histogram_quantile, tensor_bytes
+from lightning_dltune.loaders.loader import (
+    TunedLoader,
+    batch_tensors,
+    counters_of,
+    histogram_quantile,
+    histogram_top,
+    tensor_bytes,
+)
 from lightning_dltune.loaders.switch import loader_config_of
 from lightning_dltune.measure.lightning_internals import fetches_per_step, time_fit_loop_fetches
 from lightning_dltune.measure.meter import WindowMeter
@@ -191,6 +198,7 @@ class WindowProbe:
             batch_size=self._batch_size,
             worker_batch_s=worker_batch_s,
             worker_batch_p95_s=worker_batch_p95_s,
+            worker_batch_max_s=histogram_top(spread) if worker_batch_s is not None else None,
             worker_cpu_fraction=worker_cpu_fraction,
             batch_bytes=self._batch_bytes,
             gpu_util=self.sampler.window_mean() if self.sampler is not None else None,

@@ -315,6 +315,7 @@ def _measure(run: _Run, pipeline: Pipeline, batches: int, warm: int = 0) -> Wind
         startup_s=0.0 if warm else run.waits[0],
         worker_batch_s=production / len(worker_wall) if pipeline.measured else None,
         worker_batch_p95_s=_percentile(worker_wall, 0.95) if pipeline.measured else None,
+        worker_batch_max_s=max(worker_wall) if pipeline.measured and worker_wall else None,
         # CPU time over wall time: waiting for a contended CPU is wall time, not CPU time
         worker_cpu_fraction=min(1.0, sum(worker_cpu) / production) if pipeline.measured and production > 0 else None,
         batch_bytes=pipeline.batch_bytes,
