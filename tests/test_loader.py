@@ -141,4 +141,4 @@ def test_the_production_histogram_gives_the_p95_and_the_slowest_batch():
     counts = counters.histogram()
     mean = counters.totals()[1] / counters.totals()[0]
     assert histogram_quantile(counts, 0.95, mean) == pytest.approx(mean)  # the tail leaves the p95 alone
-    assert 0.200 <= histogram_top(counts) <= 0.200 * 2 ** 0.25  # the top of its bin: at most 19 % over
+    assert 0.200 <= histogram_top(counts) <= 0.200 * 2**0.25  # the top of its bin: at most 19 % over
