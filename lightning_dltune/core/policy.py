@@ -60,19 +60,19 @@ How :func:`decide` thinks, first rule that applies wins:
    prefetch 1: steady starvation needs one batch in flight per worker, and bursts then earn deeper
    prefetch.
 6. **Below the band, not starved:** *compute-bound*; more workers cannot help, nothing changes.
-7. **Above the band:** the data side has slack, and slack costs processes and memory: give all of it
-   back in one step, the fewest workers the model says keep utilization at the band's top by the
-   hysteresis and lose at most half of ``min_gain`` (judged at a cost two standard errors above the
-   windows' mean, and against the best utilization measured under today's conditions, so give-backs
-   in a row do not add up) and, where the queue never ran dry, prefetch back to the default of 2.
-   Never down to a config that was starved under today's conditions, nor to one a step up paid to
-   leave, nor to a shorter lead than twice the slowest batch seen (the lead: workers x prefetch batches
-   in the loop's time, what absorbs a slow batch; a heavy tail, which the mean and the p95 miss), and
-   only on two windows' evidence (slack costs CPU and RAM, starving costs throughput; one
-   lucky window of a heavy-tailed cost is not slack). The estimate (1 - starvation) cannot climb past the
-   band where every fetch pays a fixed hand-over cost: a queue that never ran dry, fed by workers with
-   twice the capacity needed, is slack in the band all the same, and is given back by the throughput it
-   keeps alone (not by the band's top, which the estimate cannot reach).
+7. **Above the band:** the data side has slack, and slack costs processes and memory: give all of it back
+   in one step, the fewest workers the model says keep utilization at the band's top by the hysteresis and
+   lose at most half of ``min_gain`` (judged at a cost two standard errors above the windows' mean, and
+   against the best utilization measured under today's conditions, so give-backs in a row do not add up)
+   and, where the queue never ran dry, prefetch back to the default of 2. Never down to a config that was
+   starved under today's conditions, nor to one a step up paid to leave, nor, under a heavy tail (the
+   slowest batch seen over three times the p95: the mean and the p95 miss it), to a shorter lead than twice
+   the slowest batch (the lead: workers x prefetch batches in the loop's time, what absorbs a slow batch),
+   and only on two windows' evidence (slack costs CPU and RAM, starving costs throughput; one lucky window
+   of a heavy-tailed cost is not slack). The estimate (1 - starvation) cannot climb past the band where
+   every fetch pays a fixed hand-over cost: a queue that never ran dry, fed by workers with twice the
+   capacity needed, is slack in the band all the same, and is given back by the throughput it keeps alone
+   (not by the band's top, which the estimate cannot reach).
 8. **In the band**, or not clearly outside it: hold, with three exceptions. Window after window below
    the band's low edge (four or more pooled, below it by twice their standard error) adds throughput
    as in 5 where the step is expected to gain twice ``min_gain``. At the worker budget and starved,
@@ -126,6 +126,7 @@ _DRY_QUEUE = 0.05  # prefetch is given back only where at most this fraction of 
 
 _BURSTY_UNKNOWN = 0.25  # where the loader cannot say what a batch costs, bursts explain at most this starvation
 _HEAVY_MEMORY_SHARE = 0.25  # prefetched batches holding more than this share of the memory budget are a cost
+_TAIL = 3.0  # a slowest batch past this many times the p95 is a heavy tail's (a log-normal spread of 40 %: ~1.3)
 _EDGE_WINDOWS = 4  # windows pooled below the band's low edge (within the hysteresis) that are no noise
 _SATURATED = 0.85  # CPU use (production plus the training process) past this share of the usable CPUs: saturated
 
@@ -294,19 +295,19 @@ class _Case:
         return config not in self.fit.rejected and not any(w <= sw and p <= sp for sw, sp in below)
 
     def keeps_the_lead(self, config: LoaderConfig) -> bool:
-        """Whether a give-back to ``config`` keeps the lead that absorbs the slowest batch seen.
+        """Whether a give-back to ``config`` keeps the lead that absorbs a heavy tail's slow batches.
 
         A batch is handed to a worker workers x prefetch batches before the loop needs it: that lead (in the
         loop's time) absorbs a slow batch, and one slower than it stalls the loop. Where the slowest batch
-        seen under today's conditions (pooled windows: the largest) is long against the lead, a heavy
-        tail, the model's mean and p95 do not see it, and fewer batches in flight lose throughput: a give-back
-        keeps twice the slowest batch (it may be followed by another on the same worker), or the current
-        lead where that is shorter.
+        seen under today's conditions (pooled windows: the largest) is over ``_TAIL`` times the p95, a heavy
+        tail that the mean and the p95 (which the model sizes from) do not see, a give-back keeps a lead of
+        twice the slowest batch (it may be followed by another on the same worker), or the current lead
+        where that is shorter. Without workers every batch is made in the loop's time: the mean counts each.
         """
         stats = self.stats
-        slowest = stats.worker_batch_max_s
-        if slowest is None or stats.batches <= 0 or config.num_workers == 0:
-            return True  # (without workers every batch is made in the loop's time: the mean counts each once)
+        slowest, p95 = stats.worker_batch_max_s, stats.worker_batch_p95_s or stats.worker_batch_s
+        if slowest is None or not p95 or slowest <= _TAIL * p95 or stats.batches <= 0 or config.num_workers == 0:
+            return True
         pace = stats.busy_s / stats.batches
         lead = lambda c: c.num_workers * c.prefetch_factor * pace  # noqa: E731
         return lead(config) >= min(2.0 * slowest, lead(self.current))
