@@ -285,8 +285,8 @@ def _in_band(v: dict[str, Any]) -> str:
 
 def _more_workers(v: dict[str, Any]) -> str:
     if v.get("sized_by") == "probe":  # the CPUs are busy; whether sharing the work out otherwise pays is measured
-        note = f" x prefetch 1 (the {v['workers'] * v['prefetch']} batches in flight, one a worker), measured once:"
-        note += " the CPUs are busy, but how the work shares out is not modelled"
+        note = f" x prefetch 1 (one batch in flight a worker, {v['workers'] * v['prefetch']} in flight before),"
+        note += " measured once: the CPUs are busy, but how the work shares out is not modelled"
         return (
             f"{_starved(v)} with {_short((v['workers'], v['prefetch']))}; {_cost(v)}: {_workers(v['to_workers'])}{note}"
         )
