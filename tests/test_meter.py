@@ -132,6 +132,24 @@ def test_worker_side_batch_cost_is_measured_in_the_workers(trainer_kwargs):
     assert stats.worker_cpu_fraction < 0.3  # a sleep is not CPU work
 
 
+@pytest.mark.slow
+def test_one_batch_far_slower_than_the_rest_is_the_windows_tail_stall(trainer_kwargs):
+    # 2 workers x 100 ms a batch vs a 40 ms step: every fetch waits ~10 ms; batch 30 takes 1.2 s and holds
+    # the loop for most of it (its lead: 4 batches queued). Plain loaders: the queue is unknown.
+    class OneSlowBatch(PlainLoaderModule):
+        def train_dataloader(self):
+            ds = SleepyDataset(self.batches * BATCH, batch_cost_s=0.1, slow_every=30, slow_factor=12.0)
+            return DataLoader(ds, batch_size=BATCH, num_workers=2, persistent_workers=True, prefetch_factor=PREFETCH)
+
+    tuner = DataLoaderTuner(tune=False, verbose=False, recommendation_file=False)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[tuner], limit_val_batches=0, **trainer_kwargs)
+    trainer.fit(OneSlowBatch(2, 0.1, 50, step_s=0.04))
+    stats = tuner.history[0].stats
+    assert 0.7 <= stats.tail_wait_s <= 1.5
+    # without it, the window's starvation is its typical one: ~10 ms of ~50 ms per batch
+    assert stats.starvation_ratio > 0.35 and 0.05 <= stats.typical_starvation <= 0.35
+
+
 def test_meter_counts_stalls_by_threshold_when_the_queue_is_unknown():
     meter = WindowMeter(stall_threshold_s=0.002)
     for wait in (0.0001, 0.0005, 0.003, 0.010):

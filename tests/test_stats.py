@@ -22,6 +22,7 @@ from lightning_dltune.core.stats import (
     pool_windows,
     reduce_ranks,
     stat,
+    tail_wait,
     to_dict,
 )
 from lightning_dltune.measure.distributed import pack, reduce_across_ranks, unpack
@@ -197,3 +198,26 @@ def test_the_slowest_batch_pools_as_the_largest_and_reduces_to_the_slowest_rank(
     old = to_dict(a)
     del old["worker_batch_max_s"]  # a checkpoint from before the field
     assert from_dict(WindowStats, old).worker_batch_max_s is None
+
+
+def test_stalls_far_longer_than_the_typical_one_are_a_heavy_tail_left_out_of_typical_starvation():
+    # four stalls of ~0.3 s and one batch 20x slower that held the loop 24 s
+    assert tail_wait([0.3, 24.0, 0.25, 0.35, 0.3]) == 24.0
+    assert tail_wait([0.3, 24.0, 0.25, 30.0, 0.3]) == 54.0  # a window can meet two
+    assert tail_wait([12.0, 11.0]) == 0.0  # workers delivering in bunches stall alike, however long
+    assert tail_wait([24.0]) == 0.0  # one stall alone: nothing to compare it with ...
+    assert tail_wait([24.0], batch_s=1.3) == 24.0  # ... but against a batch's making, where it is known
+    assert tail_wait([1.2], batch_s=1.3) == 0.0
+    # no stall outlasts a batch's making but a slow batch's: long bunches among short hand-overs are no tail
+    assert tail_wait([0.01] * 20 + [2.0, 2.2, 2.1], batch_s=2.4) == 0.0
+    met_one = WindowStats(
+        batches=58, samples=58, fetch_wait_total_s=25.2, step_total_s=5.0, stalls=5, fetches=58, tail_wait_s=24.0
+    )
+    assert met_one.starvation_ratio > 0.8 and met_one.typical_starvation == pytest.approx(1.2 / 6.2)
+    missed_it = dataclasses.replace(met_one, fetch_wait_total_s=1.2, stalls=4, tail_wait_s=0.0)
+    assert missed_it.typical_starvation == missed_it.starvation_ratio
+    pooled = pool_windows([met_one, missed_it])
+    assert pooled.typical_starvation == pytest.approx(2.4 / 12.4)  # pooled windows keep every tail stall apart
+    old = to_dict(met_one)
+    del old["tail_wait_s"]  # a checkpoint from before the fields
+    assert from_dict(WindowStats, old).tail_wait_s == 0.0

@@ -58,6 +58,8 @@ class LastChange:
         step_ratio: the current config's step time over ``before``'s (above ``1 + CONTENTION_STEP``: contention).
         util_gain: relative utilization change, like ``gain`` (the data side's speed at the step of the day: a
             step that drifts moves ``gain``, not this).
+        rates: the samples per second ``gain`` compares (:func:`judged_rates`), before and since the change.
+        tail_s: the heavy tail's stall a batch charged to both sides alike (0: none seen).
     """
 
     before: LoaderConfig
@@ -68,6 +70,8 @@ class LastChange:
     windows: int = 1
     step_ratio: float = 1.0
     util_gain: float = 0.0
+    rates: tuple[float, float] = (0.0, 0.0)
+    tail_s: float = 0.0
 
     @property
     def confirmed(self) -> bool:
@@ -231,6 +235,7 @@ class _Replay:
         last = len(self.windows) - 1
         ended = i < last and self.windows[i + 1][0] != config
         length = i - streak.start + 1
+        rate_before, rate_after, tail_s = judged_rates(before_stats, self.pooled[i])
         gain = throughput_gain(before_stats, self.pooled[i])
         slower = gain < -settings.min_gain
         # more workers that did not pay although the model said they clearly would: no more of them
@@ -246,7 +251,16 @@ class _Replay:
         if i == last and length <= CONFIRM_WINDOWS:
             util_gain = _ratio(self.pooled[i].utilization, before_stats.utilization) - 1.0
             self.last_change = LastChange(
-                before, before_stats, streak.kind, gain, stopped_helping, length, step_ratio, util_gain
+                before,
+                before_stats,
+                streak.kind,
+                gain,
+                stopped_helping,
+                length,
+                step_ratio,
+                util_gain,
+                (rate_before, rate_after),
+                tail_s,
             )
         if ended and next_config == before:  # A -> B -> A: B was undone
             self.strikes[config] = self.strikes.get(config, 0) + 1
@@ -374,9 +388,16 @@ def _typical_agrees(name: str, prior: Sequence[WindowStats], new: WindowStats, w
     The data side's cost is a mean, and a rare slow batch (a heavy tail) moves it without new conditions: a
     window that missed it, or met two, is luck. Its typical batch (the workers' p95 time per batch, which a
     tail of a few percent leaves alone; with 0 workers the median fetch, which is a batch made) must move the
-    same way, by more than ``SHIFT_COST`` of it and a twentieth of a step. The step time and starvation are
-    compared as they are (workers in step deliver in bunches: most fetches find a batch ready, however starved).
+    same way, by more than ``SHIFT_COST`` of it and a twentieth of a step. Where the cost is unknown, a heavy
+    tail moves starvation the same way: without each window's one stall far longer than its others
+    (:attr:`~lightning_dltune.core.stats.WindowStats.tail_stall_s`) it must still move by ``SHIFT_STARVATION``.
+    The step time is compared as it is (workers in step deliver in bunches: most fetches find a batch
+    ready, however starved).
     """
+    if name == "starvation":
+        typical = [w.typical_starvation for w in prior]
+        moved = new.typical_starvation - sum(typical) / len(typical)
+        return (moved > 0) == rising and abs(moved) > SHIFT_STARVATION
     if name != "batch time":
         return True
     if workers > 0:
@@ -555,9 +576,34 @@ def change_kind(before: LoaderConfig, after: LoaderConfig) -> ChangeKind:
 
 
 def throughput_gain(before: WindowStats, after: WindowStats) -> float:
-    if before.samples_per_s <= 0:
-        return math.inf if after.samples_per_s > 0 else 0.0
-    return after.samples_per_s / before.samples_per_s - 1.0
+    """How much faster ``after`` ran than ``before`` (:func:`judged_rates`)."""
+    rate_before, rate_after, _ = judged_rates(before, after)
+    if rate_before <= 0:
+        return math.inf if rate_after > 0 else 0.0
+    return rate_after / rate_before - 1.0
+
+
+def judged_rates(before: WindowStats, after: WindowStats) -> tuple[float, float, float]:
+    """Samples per second of ``before`` and ``after`` as a change is judged, and the heavy tail's share (s a batch).
+
+    A heavy tail's slow batch stalls the loop for most of its time (:attr:`WindowStats.tail_wait_s`), and how
+    many a window meets is luck: two windows of one config differ twofold by it. Both sides are charged the
+    tail's stall per batch of both together (a batch's cost is the data's, not the config's); what is
+    compared is the rest. (The lead a config holds shortens each such stall a little: that is not judged.)
+    Without a tail on either side, the rates as measured and 0.
+    """
+    batches = before.batches + after.batches
+    tail = min(before.tail_wait_s, before.fetch_wait_total_s) + min(after.tail_wait_s, after.fetch_wait_total_s)
+    if tail <= 0 or batches <= 0:
+        return before.samples_per_s, after.samples_per_s, 0.0
+    share = tail / batches
+    return _tail_evened_rate(before, share), _tail_evened_rate(after, share), share
+
+
+def _tail_evened_rate(window: WindowStats, tail_per_batch_s: float) -> float:
+    """Samples per second of ``window`` had its heavy tail held it ``tail_per_batch_s`` a batch."""
+    busy = window.busy_s - min(window.tail_wait_s, window.fetch_wait_total_s) + window.batches * tail_per_batch_s
+    return window.samples / busy if busy > 0 else 0.0
 
 
 def is_starved(window: WindowStats, settings: PolicySettings) -> bool:
@@ -588,14 +634,20 @@ def _expected_gain(
 
 
 def _cost_error(windows: Sequence[WindowStats], workers: int) -> float:
-    """Relative standard error of the data side's cost per batch over ``windows`` (0 for fewer than two)."""
+    """Relative standard error of the data side's cost per batch over ``windows`` (0 for fewer than two).
+
+    Where the workers measured a batch's cost, only the windows that did count: a window whose batches were
+    all made before it opened (the loader's lead) measured none, and the cost the loop's clock implies is
+    another quantity (an upper bound), not a sample of the same one.
+    """
 
     def cost(w: WindowStats) -> float:
         if w.worker_batch_s is not None:
             return w.worker_batch_s
         return w.fetch_wait_mean_s if workers == 0 else workers * (w.fetch_wait_mean_s + w.step_mean_s)
 
-    values = [cost(w) for w in windows if w.batches > 0]
+    measured = [w for w in windows if w.batches > 0 and w.worker_batch_s is not None]
+    values = [cost(w) for w in (measured or windows) if w.batches > 0]
     mean = sum(values) / len(values) if values else 0.0
     return _standard_error(values) / mean if mean > 0 else 0.0
 

@@ -390,8 +390,9 @@ def _judge_last_change(case: _Case) -> Optional[_Rule]:
     if last.kind in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH) and last.gain < -settings.min_gain:
         numbers = {
             "gain": last.gain,
-            "rate_before": last.before_stats.samples_per_s,
-            "rate": stats.samples_per_s,
+            "rate_before": last.rates[0],
+            "rate": last.rates[1],
+            **({"tail_ms": 1e3 * last.tail_s} if last.tail_s > 0 else {}),
             "from": pair(last.before),
             "to": pair(current),
             **contention,

@@ -27,6 +27,26 @@ class _StrEnum(str, Enum):
         return format(str(self.value), spec)
 
 
+TAIL_STALL = 5.0  # a stall this many times the window's typical one is a rare slow batch's, not its conditions'
+
+
+def tail_wait(stall_waits: Sequence[float], batch_s: Optional[float] = None) -> float:
+    """Σ the stalls that only a rare slow batch explains: a heavy tail's.
+
+    A stall waits for one batch being made: none outlasts a batch's making (``batch_s``: a worker's p95 time
+    per batch, or what the loop's clock implies where the workers cannot say), and workers in step deliver in
+    bunches whose stalls are alike, however long. A heavy tail's slow batch stalls the loop far longer: a
+    stall counts where it is over ``batch_s`` and over ``TAIL_STALL`` times the typical stall (the lower
+    median of ``stall_waits``; a lone stall is judged by ``batch_s`` alone, and is no tail without it).
+    """
+    ordered = sorted(stall_waits)
+    if not ordered or (len(ordered) < 2 and not batch_s):
+        return 0.0
+    typical = ordered[(len(ordered) - 1) // 2] if len(ordered) >= 2 else 0.0
+    bar = max(TAIL_STALL * typical, batch_s or 0.0)
+    return sum(w for w in ordered if w > bar)
+
+
 class UtilSource(_StrEnum):
     """Where a window's utilization comes from. Ordered: a rank without NVML makes the job's an estimate."""
 
@@ -70,6 +90,9 @@ class WindowStats:
         fetch_wait_total_s: Σ fetch wait (loop blocked in ``next()`` on the train loader).
         step_total_s: Σ step time (``on_train_batch_start`` to ``on_train_batch_end``).
         fetch_wait_p50_s, fetch_wait_p95_s, step_p50_s, step_p95_s: per-batch percentiles.
+        tail_wait_s: Σ the stalls far longer than the window's typical stall (:func:`tail_wait`): a rare
+            slow batch (a heavy tail) holds the loop once for its whole lead, and whether a window met
+            one is luck. Part of ``fetch_wait_total_s``.
         stalls: fetches that found no ready batch and had to block.
         fetches: fetches measured (the denominator of :attr:`stall_fraction`).
         queue_depth: mean ready batches at request time; ``None`` where the loader cannot say.
@@ -114,6 +137,7 @@ class WindowStats:
     worker_batch_max_s: Optional[float] = stat(None, Pool.MAX, Reduce.MAX)  # the slowest batch any rank saw
     warmup_batches: int = stat(0, Pool.SUM, Reduce.MAX)
     settling: int = stat(0, Pool.LATEST, Reduce.MAX)  # any rank still warming up
+    tail_wait_s: float = stat(0.0, Pool.SUM, Reduce.WORST)  # the most starved rank's, as its total
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "util_source", UtilSource(self.util_source))
@@ -143,6 +167,13 @@ class WindowStats:
         """Σ fetch wait / Σ (fetch wait + step time); 0 when nothing was measured."""
         busy = self.busy_s
         return self.fetch_wait_total_s / busy if busy > 0 else 0.0
+
+    @property
+    def typical_starvation(self) -> float:
+        """:attr:`starvation_ratio` without the window's :attr:`tail_wait_s` (the loop's time less it, too)."""
+        tail = min(self.tail_wait_s, self.fetch_wait_total_s)
+        busy = self.busy_s - tail
+        return (self.fetch_wait_total_s - tail) / busy if busy > 0 else 0.0
 
     @property
     def utilization(self) -> float:

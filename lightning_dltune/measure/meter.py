@@ -10,7 +10,7 @@ import bisect
 from array import array
 from typing import Optional
 
-from lightning_dltune.core.stats import UtilSource, WindowStats
+from lightning_dltune.core.stats import UtilSource, WindowStats, tail_wait
 from lightning_dltune.core.windows import warmup_steps
 
 UNKNOWN_READY = -1
@@ -118,6 +118,7 @@ class WindowMeter:
         gpu_util: Optional[float] = None,
         main_cpu_fraction: Optional[float] = None,
         fetches_per_step: int = 1,
+        workers: Optional[int] = None,
     ) -> WindowStats:
         """This rank's stats of the window (before any cross-rank reduction).
 
@@ -126,7 +127,9 @@ class WindowMeter:
         are left out and counted in ``warmup_batches``). A fetch whose batch never reached a step (the
         window ended) does not count. ``samples`` is ``batches * batch_size`` (``batch_size``: the
         samples of one step, every train loader's batch together). ``fetches_per_step``: loaders
-        that each report a fetch for every step (several train loaders combined).
+        that each report a fetch for every step (several train loaders combined). ``workers``: the train
+        loader's workers, where known (what a batch's making takes, where the workers cannot say it, is
+        then read from the loop's clock: no stall outlasts it but a heavy tail's).
         """
         per_step = max(1, fetches_per_step)
         judged = self.fresh and self.steps <= self._capacity  # warm-up follows a loader start
@@ -142,7 +145,7 @@ class WindowMeter:
         step_total_s = self.step_total_s - sum(self._step_buf[:warmup])
         # Without a prefetching fetcher every step has one fetch per loader; if fetches outnumber that,
         # the extra ones were for batches not stepped yet, so sums are scaled to the stepped batches.
-        fetch_wait_total_s = self.fetch_wait_total_s - sum(self._fetch_buf[:left_out])
+        fetch_wait_total_s = raw_total = self.fetch_wait_total_s - sum(self._fetch_buf[:left_out])
         expected = batches * per_step
         if fetches > expected > 0:
             fetch_wait_total_s *= expected / fetches
@@ -151,6 +154,11 @@ class WindowMeter:
             self._cutoff_s = stall_cutoff(self.stall_threshold_s, fetch_sorted[0], batch_bytes)
             over = len(fetch_sorted) - bisect.bisect_right(fetch_sorted, self._cutoff_s)
             stalls = round(over * fetches / len(fetch_sorted))
+        # the stalls are the longest waits: a heavy tail's among them (scaled as the total is)
+        made_s = worker_batch_p95_s or (
+            workers * (fetch_wait_total_s + step_total_s) / batches if workers and batches else None
+        )
+        tail_s = tail_wait(fetch_sorted[len(fetch_sorted) - min(stalls, len(fetch_sorted)) :], made_s)
         return WindowStats(
             batches=batches,
             samples=batches * batch_size,
@@ -172,6 +180,7 @@ class WindowMeter:
             gpu_util=gpu_util,
             util_source=UtilSource.NVML if gpu_util is not None else UtilSource.ESTIMATE,
             main_cpu_fraction=main_cpu_fraction,
+            tail_wait_s=tail_s * (fetch_wait_total_s / raw_total if raw_total > 0 else 1.0),
             warmup_batches=warmup,
             settling=int(settling),
         )

@@ -204,4 +204,5 @@ class WindowProbe:
             gpu_util=self.sampler.window_mean() if self.sampler is not None else None,
             main_cpu_fraction=max(0.0, main_cpu) / elapsed if elapsed > 0 else None,
             fetches_per_step=self._per_step,
+            workers=self.config.num_workers if self.config is not None else None,
         )

@@ -194,6 +194,10 @@ def _contention(v: dict[str, Any]) -> str:
     return f"; the step itself got {v['step_ratio'] - 1:.0%} slower (a busy machine?)" if "step_ratio" in v else ""
 
 
+def _tail(v: dict[str, Any]) -> str:
+    return f", a heavy tail's {v['tail_ms']:.0f} ms of stalls a batch counted on both" if "tail_ms" in v else ""
+
+
 _ESTIMATE = "_estimate"  # not a value of the reason: how to word its utilization
 
 
@@ -331,7 +335,7 @@ _WORDS = {
         f"rebuild cap hit ({v['rebuilds']} changes): holding {_short(v['config'])} at {_gpu(v)}"
     ),
     ReasonKind.UNDO_SLOWER: lambda v: (
-        f"throughput fell {-v['gain']:.0%} ({v['rate_before']:.0f} -> {v['rate']:.0f} samples/s) after "
+        f"throughput fell {-v['gain']:.0%} ({v['rate_before']:.0f} -> {v['rate']:.0f} samples/s{_tail(v)}) after "
         f"{_change(v['from'], v['to'])}{_contention(v)}: going back"
     ),
     ReasonKind.UNDO_GIVE_BACK: lambda v: (
@@ -343,7 +347,7 @@ _WORDS = {
         f"holding {_short(v['config'])}, measuring again before acting"
     ),
     ReasonKind.CONFIRM_SLOWER: lambda v: (
-        f"throughput fell {-v['gain']:.0%} ({v['rate_before']:.0f} -> {v['rate']:.0f} samples/s) after "
+        f"throughput fell {-v['gain']:.0%} ({v['rate_before']:.0f} -> {v['rate']:.0f} samples/s{_tail(v)}) after "
         f"{_change(v['from'], v['to'])}{_contention(v)}: measuring again before going back"
     ),
     ReasonKind.CONFIRM_STARVED: lambda v: (

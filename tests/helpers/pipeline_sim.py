@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.stats import UtilSource, WindowStats
+from lightning_dltune.core.stats import UtilSource, WindowStats, tail_wait  # what the meter reports
 
 
 @dataclass(frozen=True)
@@ -211,6 +211,7 @@ class _Run:
     worker_wall: list[float]
     worker_cpu: list[float]
     elapsed: float
+    workers: int = 0
 
 
 def _run_workers(
@@ -290,7 +291,7 @@ def _run_workers(
         if step_end is not None and step_end <= now + 1e-9:
             ask()
     wall = [(finished[i] or now) - started[i] for i in range(total)]
-    return _Run(waits, steps, ready_when_asked, depth_when_asked, wall, cpu, now)
+    return _Run(waits, steps, ready_when_asked, depth_when_asked, wall, cpu, now, workers)
 
 
 def _measure(run: _Run, pipeline: Pipeline, batches: int, warm: int = 0) -> WindowStats:
@@ -300,6 +301,12 @@ def _measure(run: _Run, pipeline: Pipeline, batches: int, warm: int = 0) -> Wind
     worker_wall, worker_cpu = run.worker_wall[made], run.worker_cpu[made]
     production = sum(worker_wall)
     main_cpu = pipeline.main_cpu * sum(run.steps) / run.elapsed if run.elapsed > 0 else 0.0
+    stalled = [w for w, ready in zip(waits, run.ready_when_asked[first:]) if not ready]
+    # what a batch's making takes: the workers' p95 where they say it, else the loop's clock (as the meter reads it)
+    made = _percentile(worker_wall, 0.95) if pipeline.measured and worker_wall else None
+    if made is None and run.workers and batches:
+        made = run.workers * (sum(waits) + sum(steps)) / batches
+    tail = tail_wait(stalled, made)
     return WindowStats(
         batches=batches,
         samples=batches * pipeline.batch_size,
@@ -307,6 +314,7 @@ def _measure(run: _Run, pipeline: Pipeline, batches: int, warm: int = 0) -> Wind
         step_total_s=sum(steps),
         fetch_wait_p50_s=_percentile(waits, 0.50),
         fetch_wait_p95_s=_percentile(waits, 0.95),
+        tail_wait_s=tail,
         step_p50_s=_percentile(steps, 0.50),
         step_p95_s=_percentile(steps, 0.95),
         stalls=sum(1 for ready in run.ready_when_asked[first:] if not ready),
