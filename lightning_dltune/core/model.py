@@ -24,7 +24,10 @@ a discrete-event simulation of torch's round robin (2 to 128 workers, prefetch 1
 to 80 %), which they follow within about a third of the loss. Near ``capacity = demand`` the loop
 still meets late batches, so with a spread the loop's rate is a soft minimum of the two, its knee the
 softer the wider the spread (:meth:`PipelineModel.throughput`; within a few points of the same
-simulation). Without a measured p95, ``wait`` is 0 and the minimum is sharp: the mean alone.
+simulation). Where ``W x prefetch`` steps of lead cover even the window's slowest batch (periodic bursts
+of storage, which a p95 reads as several times the mean), the knee is that of a moderate spread
+(:meth:`PipelineModel.spread_met`). Without a measured p95, ``wait`` is 0 and the minimum is sharp: the
+mean alone.
 
 Example::
 
@@ -48,6 +51,7 @@ BURST_STALL_FRACTION = 0.5  # the default of PolicySettings.burst_stall_fraction
 _Z95 = 1.6449  # a normal's p95, in standard deviations
 _IN_ORDER = 0.6  # the in-order wait's scale (see the module docstring)
 _KNEE = 7.5  # the knee's sharpness times the spread (see PipelineModel.throughput)
+_COVERED_SPREAD = 0.4  # the spread a lead that covers the slowest batch leaves the loop (see PipelineModel.spread_met)
 
 
 def slowest_of(count: int) -> float:
@@ -96,6 +100,7 @@ class PipelineModel:
         prefetch: the window's prefetch factor (the batches each worker holds).
         workers: the window's worker count.
         rate: batches per second the loop ran at in the window (0: unknown).
+        slowest: the window's slowest batch over a worker's mean time per batch (0: unknown).
     """
 
     step_mean_s: float
@@ -110,6 +115,7 @@ class PipelineModel:
     prefetch: int = 2
     workers: int = 0
     rate: float = 0.0
+    slowest: float = 0.0
 
     @classmethod
     def infer(
@@ -147,7 +153,10 @@ class PipelineModel:
             cpu = batch * min(max(fraction, 0.0), 1.0)  # delivery overheads split like the production
         io = max(0.0, batch - cpu * inflation)
         rate = stats.batches / stats.busy_s if stats.busy_s > 0 else 0.0
-        return cls(step, batch, cpu, io, cpus, fraction is not None, main, main_known, spread, prefetch, workers, rate)
+        slowest = stats.worker_batch_max_s / measured if measured and stats.worker_batch_max_s else 0.0
+        return cls(
+            step, batch, cpu, io, cpus, fraction is not None, main, main_known, spread, prefetch, workers, rate, slowest
+        )
 
     @classmethod
     def timed_alone(cls, workers: int, loader_s_per_batch: float, step_s: float) -> PipelineModel:
@@ -202,11 +211,30 @@ class PipelineModel:
         """
         if workers == 0:
             return 1.0 / (self.cpu_s + self.io_s + self.step_mean_s)
-        capacity, demand = self.capacity(workers, prefetch), self.demand
-        if self.spread <= 0 or not math.isfinite(demand) or not math.isfinite(capacity):
+        prefetch = self.prefetch if prefetch is None else prefetch
+        capacity, demand, spread = self.capacity(workers, prefetch), self.demand, self.spread_met(workers, prefetch)
+        if spread <= 0 or not math.isfinite(demand) or not math.isfinite(capacity):
             return min(demand, capacity)
-        n, c = _KNEE / self.spread, capacity / demand
+        n, c = _KNEE / spread, capacity / demand
         return demand / (1.0 + c**-n) ** (1.0 / n) if c >= 1.0 else demand * c / (1.0 + c**n) ** (1.0 / n)
+
+    def spread_met(self, workers: int, prefetch: int) -> float:
+        """The spread that softens the knee (:meth:`throughput`) at ``workers`` x ``prefetch``: at most
+        ``_COVERED_SPREAD`` where the lead covers the slowest batch.
+
+        A batch is asked for ``workers x prefetch`` steps before the loop takes it: where even the slowest
+        batch seen (bursts of storage, a rare slow sample), its worker one batch behind, is made within that
+        lead, the loop does not wait for it near the knee, however wide the spread (a spread of bursts, which a
+        p95 reads as several times the mean, would otherwise soften the knee for good: one worker 8 batches
+        ahead of a 20 ms step absorbs every tenth batch at 80 ms, as the simulator shows). The in-order wait of
+        many workers (:func:`in_order_wait`) stays: a window's slowest batch is not the slowest to come.
+        """
+        if self.spread <= 0 or self.slowest <= 0 or workers <= 0 or not math.isfinite(self.demand):
+            return self.spread
+        mean = self.cpu_s * cpu_inflation(workers, self.cpus, self.main) + self.io_s
+        lead = workers * prefetch / self.demand
+        covered = lead >= mean * (1.0 + self.slowest)
+        return min(self.spread, _COVERED_SPREAD) if covered else self.spread
 
     def measured_throughput(self, workers: int) -> float:
         """Batches per second at ``workers`` if each worker went on delivering what it did in the window.
