@@ -460,6 +460,20 @@ def test_new_conditions_clear_what_the_old_ones_taught():
     assert reason_text(decision.reason).startswith("conditions changed (batch time 40 ms -> 120 ms)")
 
 
+def test_a_shift_inside_a_window_is_judged_on_the_window_after_it_alone():
+    before = window(5, 10, worker_ms=40, cpu_fraction=0.2)
+    history = [record(i, cfg(4), before, cfg(4)) for i in range(4)]
+    halfway = window(30, 10, worker_ms=70, cpu_fraction=0.2)  # storage slowed 3x a third into this window
+    slowed = window(60, 10, worker_ms=120, cpu_fraction=0.2)
+    history.append(record(4, cfg(4), halfway, cfg(4)))
+    fit = recall(history, cfg(4), slowed, ROOMY, DEFAULTS)  # the window after it agrees: new conditions
+    assert fit.shift is not None and fit.shift.signal == "batch time"
+    # the half-old window would pool the cost down to ~95 ms and size the step up short of what 120 ms needs
+    assert fit.windows == 1 and fit.seen.worker_batch_s == pytest.approx(0.120)
+    decision = decide(cfg(4), slowed, ROOMY, history)
+    assert decision.config.num_workers >= 14  # 120 ms / 10 ms x the headroom, in one step
+
+
 def test_a_step_up_that_was_slower_is_retried_smaller_before_the_cpus_are_blamed():
     starved = window(40, 10, worker_ms=40, cpu_fraction=0.9)
     worse = window(60, 10, worker_ms=200, cpu_fraction=0.9)

@@ -31,6 +31,7 @@ SHIFT_STEP = 0.10  # ... or a step time by more than this share (an accelerator'
 # means a busier host, whose pooled windows would otherwise read as slack) ...
 SHIFT_STARVATION = 0.15  # ... or starvation that moved by more than this (absolute) ...
 SHIFT_SIGMAS = 3.0  # ... and by more than this many standard deviations of the pooled windows: new conditions
+PARTIAL_MOVE = 2 / 3  # a shift's first window that moved less than this of the second's way holds the change inside it
 CONFIRM_BATCHES = 10  # a window that confirms a suspected shift holds at least this many batches
 _Z95 = 1.6449  # a normal's p95, in standard deviations
 CONTENTION_STEP = 0.25  # a step this much slower than before a change: the machine got busier (or our workers
@@ -204,7 +205,10 @@ class _Replay:
         """``streak`` with window ``i`` added, or a new streak from window ``i - 1`` where conditions shifted.
 
         New conditions when the last two windows both left the config's earlier ones the same way (one
-        window is noise: a heavy-tailed cost alone moves it); the new streak starts with the first of them.
+        window is noise: a heavy-tailed cost alone moves it); the new streak starts with the first of them,
+        or with the second where the first moved less than ``PARTIAL_MOVE`` of the second's way (the change
+        came inside the first: half old conditions, pooled with the new ones it would blur both the cost
+        the next step is sized from and the spread that says whether the loop is clearly outside the band).
         """
         config, window = self.windows[i][0], self.windows[i][1]
         prior = [w for _, w, _ in self.windows[max(streak.start, i - 1 - POOLED_WINDOWS) : i - 1]]
@@ -212,16 +216,23 @@ class _Replay:
         if moved is None:
             return streak
         # what was learned under the old conditions is stale
-        self.conditions_from = i - 1
+        first, second = (
+            detect_shift(prior, self.windows[i - 1][1], config.num_workers),
+            detect_shift(prior, window, config.num_workers),
+        )
+        partial = first and second and abs(first.now - first.before) < PARTIAL_MOVE * abs(second.now - second.before)
+        start = i if partial else i - 1
+        self.conditions_from = start
         self.shift = moved if i == len(self.windows) - 1 else None
         self.rejected.clear()
         self.starved.clear()
         self.outgrown.clear()
         self.worker_ceiling = self.prefetch_ceiling = None
-        streak = _Streak(i - 1, config)
+        streak = _Streak(start, config)
         self.streaks.append(streak)
-        self.pooled[i - 1] = window_before = self.windows[i - 1][1]
-        self._note_starved(window_before, config)
+        if not partial:
+            self.pooled[i - 1] = window_before = self.windows[i - 1][1]
+            self._note_starved(window_before, config)
         return streak
 
     def _note_starved(self, window: WindowStats, config: LoaderConfig) -> None:
