@@ -220,7 +220,7 @@ class _Replay:
             detect_shift(prior, self.windows[i - 1][1], config.num_workers),
             detect_shift(prior, window, config.num_workers),
         )
-        partial = first and second and abs(first.now - first.before) < PARTIAL_MOVE * abs(second.now - second.before)
+        partial = first is not None and second is not None and _moved(first) < PARTIAL_MOVE * _moved(second)
         start = i if partial else i - 1
         self.conditions_from = start
         self.shift = moved if i == len(self.windows) - 1 else None
@@ -400,8 +400,8 @@ def _typical_agrees(name: str, prior: Sequence[WindowStats], new: WindowStats, w
     window that missed it, or met two, is luck. Its typical batch (the workers' p95 time per batch, which a
     tail of a few percent leaves alone; with 0 workers the median fetch, which is a batch made) must move the
     same way, by more than ``SHIFT_COST`` of it and a twentieth of a step. Where the cost is unknown, a heavy
-    tail moves starvation the same way: without each window's one stall far longer than its others
-    (:attr:`~lightning_dltune.core.stats.WindowStats.tail_stall_s`) it must still move by ``SHIFT_STARVATION``.
+    tail moves starvation the same way: without each window's stalls that only a slow batch explains
+    (:attr:`~lightning_dltune.core.stats.WindowStats.tail_wait_s`) it must still move by ``SHIFT_STARVATION``.
     The step time is compared as it is (workers in step deliver in bunches: most fetches find a batch
     ready, however starved).
     """
@@ -468,6 +468,10 @@ def same_conditions(history: Sequence[WindowRecord], config: LoaderConfig) -> li
             break
         streak.append(record.stats)
     return streak[::-1]
+
+
+def _moved(shift: Shift) -> float:
+    return abs(shift.now - shift.before)
 
 
 def _confirmed_shift(

@@ -90,9 +90,9 @@ class WindowStats:
         fetch_wait_total_s: Σ fetch wait (loop blocked in ``next()`` on the train loader).
         step_total_s: Σ step time (``on_train_batch_start`` to ``on_train_batch_end``).
         fetch_wait_p50_s, fetch_wait_p95_s, step_p50_s, step_p95_s: per-batch percentiles.
-        tail_wait_s: Σ the stalls far longer than the window's typical stall (:func:`tail_wait`): a rare
-            slow batch (a heavy tail) holds the loop once for its whole lead, and whether a window met
-            one is luck. Part of ``fetch_wait_total_s``.
+        tail_wait_s: Σ the stalls only a rare slow batch explains (:func:`tail_wait`: longer than a batch's
+            making and than five typical stalls): a heavy tail's slow batch holds the loop for most of its
+            time, and whether a window met one is luck. Part of ``fetch_wait_total_s``.
         stalls: fetches that found no ready batch and had to block.
         fetches: fetches measured (the denominator of :attr:`stall_fraction`).
         queue_depth: mean ready batches at request time; ``None`` where the loader cannot say.

@@ -303,10 +303,10 @@ def _measure(run: _Run, pipeline: Pipeline, batches: int, warm: int = 0) -> Wind
     main_cpu = pipeline.main_cpu * sum(run.steps) / run.elapsed if run.elapsed > 0 else 0.0
     stalled = [w for w, ready in zip(waits, run.ready_when_asked[first:]) if not ready]
     # what a batch's making takes: the workers' p95 where they say it, else the loop's clock (as the meter reads it)
-    made = _percentile(worker_wall, 0.95) if pipeline.measured and worker_wall else None
-    if made is None and run.workers and batches:
-        made = run.workers * (sum(waits) + sum(steps)) / batches
-    tail = tail_wait(stalled, made)
+    making = _percentile(worker_wall, 0.95) if pipeline.measured and worker_wall else None
+    if making is None and run.workers and batches:
+        making = run.workers * (sum(waits) + sum(steps)) / batches
+    tail = tail_wait(stalled, making)
     return WindowStats(
         batches=batches,
         samples=batches * pipeline.batch_size,
