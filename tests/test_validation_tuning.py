@@ -194,8 +194,9 @@ def test_several_validation_loaders_are_each_measured_and_the_slow_one_starves_m
     assert len(slow) == len(fast) == 2 and slow[0] > 0.7 and slow[0] > 2 * fast[0]  # both on 0 workers
     assert series(0, "fetch_wait_ms")[0] > 5 * series(1, "fetch_wait_ms")[0]
     assert series(1, "samples_per_s")[0] > 2 * series(0, "samples_per_s")[0]
-    # with workers of its own the slow loader still waits longer (30 ms a batch: 4 workers cannot keep up)
-    assert series(0, "fetch_wait_ms")[1] > series(1, "fetch_wait_ms")[1]
+    # with workers of its own the slow loader waits less than it did on none (how its wait then compares with
+    # the fast loader's depends on how many workers its runs were given: both may be near the hand-over time)
+    assert series(0, "fetch_wait_ms")[1] < series(0, "fetch_wait_ms")[0]
     # the console: each run's line names each loader's starvation, the table gives each loader rows of its own
     assert output.count("| loaders 0: ") == 2
     rows = _table_rows(output)
