@@ -247,7 +247,7 @@ class _Replay:
         ended = i < last and self.windows[i + 1][0] != config
         length = i - streak.start + 1
         rate_before, rate_after, tail_s = judged_rates(before_stats, self.pooled[i])
-        gain = throughput_gain(before_stats, self.pooled[i])
+        gain = _gain(rate_before, rate_after)
         slower = gain < -settings.min_gain
         # more workers that did not pay although the model said they clearly would: no more of them
         # (a small expected gain that does not show proves nothing: windows differ by a few percent)
@@ -593,6 +593,10 @@ def change_kind(before: LoaderConfig, after: LoaderConfig) -> ChangeKind:
 def throughput_gain(before: WindowStats, after: WindowStats) -> float:
     """How much faster ``after`` ran than ``before`` (:func:`judged_rates`)."""
     rate_before, rate_after, _ = judged_rates(before, after)
+    return _gain(rate_before, rate_after)
+
+
+def _gain(rate_before: float, rate_after: float) -> float:
     if rate_before <= 0:
         return math.inf if rate_after > 0 else 0.0
     return rate_after / rate_before - 1.0
