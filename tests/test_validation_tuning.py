@@ -243,7 +243,10 @@ def test_a_validation_start_sized_too_generously_is_given_back_by_its_own_runs(t
     trainer = pl.Trainer(callbacks=[tuner], **{**trainer_kwargs, "max_epochs": 3, "val_check_interval": 0.5})
     trainer.fit(model, datamodule=data)
     runs = tuner.val_history
-    assert runs[0].num_workers == 3 and runs[0].stats.starvation_ratio < 0.1  # the start: slack
+    # the start: slack. The typical batch waits for little more than its hand-over (a few ms beside a CPU hog); the
+    # first waits for its workers' start (10 % of a 10-batch run, more on a loaded machine), so the run's whole
+    # starvation ratio is not what says it
+    assert runs[0].num_workers == 3 and runs[0].stats.fetch_wait_p50_s < 0.25 * runs[0].stats.step_p50_s
     assert data.val_config.num_workers < 3 and runs[-1].num_workers < 3  # given back by the validation runs
     assert data.loader_config.num_workers == 1
     _every_val_sample_once_per_run(model)
