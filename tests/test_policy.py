@@ -922,6 +922,21 @@ def test_a_suspected_shift_asks_for_a_short_window_to_confirm_it():
     assert decide(cfg(4), steady, ROOMY, history).confirm_batches is None
 
 
+def test_a_shift_inside_its_suspect_window_asks_for_a_short_confirming_window():
+    # storage 3x slower a third of the way from a window's end: 47 ms batches, then 130 ms ones. The window's
+    # mean (75 ms) moved a third of the way and its p95 is the new batches' typical one: read as the
+    # window's spread (33 ms a batch) it asked for a whole window to confirm what 10 batches tell
+    history = [
+        record(i, cfg(2), replace(window(0.5, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
+                                  worker_batch_p95_s=0.050), cfg(2))
+        for i in range(3)
+    ]
+    mixed = replace(window(20, 22, worker_ms=75, cpu_fraction=0.03), worker_batch_p95_s=0.130)
+    decision = decide(cfg(2), mixed, ROOMY, history)
+    assert decision.reason.kind == ReasonKind.SHIFT_SUSPECTED
+    assert decision.confirm_batches <= 15
+
+
 def test_the_best_config_is_judged_under_the_latest_conditions():
     from lightning_dltune.core.history import latest_conditions, median_rate
 

@@ -429,17 +429,22 @@ def confirm_batches(prior: Sequence[WindowStats], new: WindowStats, shift: Shift
 
     Enough for its mean of the signal to lie ``SHIFT_SIGMAS`` standard errors inside half the move, the
     spread per batch taken as the larger of what the earlier windows' spread implies (window means over
-    their batches: a heavy tail shows there) and what the new window's percentiles say (a normal's
-    ``(p95 - p50) / 1.645``); at least ``CONFIRM_BATCHES`` and one batch per worker.
+    their batches: a heavy tail shows there) and what their percentiles say (a normal's ``(p95 - p50) /
+    1.645``), scaled by the move (a batch twice as slow varies twice as much); at least ``CONFIRM_BATCHES``
+    and one batch per worker. Not the new window's percentiles: a change inside it mixes two conditions,
+    whose p95 is the new one's typical batch (130 ms batches after 47 ms ones read as a 36 ms spread, and
+    asked for a whole window where 10 batches tell a 3x slowdown).
     """
     move = abs(shift.now - shift.before)
     signal = dict((name, f) for name, f, _ in _signals(workers))[shift.signal]
-    known = [(v, w.batches) for v, w in ((signal(w), w) for w in prior) if v is not None and w.batches > 0]
+    known = [(v, w) for v, w in ((signal(w), w) for w in prior) if v is not None and w.batches > 0]
     if move <= 0 or len(known) < 2:
         return new.batches
     values = [v for v, _ in known]
-    per_batch = statistics.stdev(values) * math.sqrt(sum(n for _, n in known) / len(known))
-    per_batch = max(per_batch, _spread_per_batch(new, shift.signal, workers))
+    per_batch = statistics.stdev(values) * math.sqrt(sum(w.batches for _, w in known) / len(known))
+    per_batch = max(per_batch, max(_spread_per_batch(w, shift.signal, workers) for _, w in known))
+    if shift.signal != "starvation" and shift.before > 0:
+        per_batch *= max(1.0, shift.now / shift.before)
     needed = math.ceil((2.0 * SHIFT_SIGMAS * per_batch / move) ** 2)
     return min(new.batches, max(needed, CONFIRM_BATCHES, workers))
 
