@@ -12,9 +12,12 @@ reads it. Three things are checked per run:
   workers, is judged data-bound, and moves to more workers;
 - **no verdict contradicts its own utilization**: no "data-bound" line above the band's top, no
   "compute-bound" line below its bottom;
-- **the recommendation is never slower than a config measured under the same conditions**: its
-  samples/s (its median window) is within ``min_gain`` (5 %) of the best median window of any config in
-  the fit's last two epochs (same machine, same moment: the conditions the recommendation was judged under).
+- **the recommendation is never slower than a config measured under the same conditions**: in the
+  fit's last two epochs (same machine, same moment: the conditions the recommendation was judged under),
+  the recommended config's median window is within ``min_gain`` (5 %) of the best median window of any
+  config. Like is compared with like: the recommended config's windows of those epochs, not the median it
+  quotes (that is over all its windows since conditions last shifted, and a config that ran the whole fit
+  would be compared with its own later windows). Where it did not run in those epochs, its quoted rate.
 """
 
 from __future__ import annotations
@@ -84,13 +87,16 @@ def judge(console: str, epochs: int) -> dict[str, Any]:
             late.setdefault((int(r.group(3)), int(r.group(4))), []).append(float(r.group(9).replace(",", "")))
     best_late = max((statistics.median(rates) for rates in late.values()), default=None)
     rate = float(recommended.group(3).replace(",", "")) if recommended else None
-    recommendation_ok = rate is not None and best_late is not None and rate >= (1 - MIN_GAIN) * best_late
+    key = (int(recommended.group(1)), int(recommended.group(2))) if recommended else None
+    rate_late = statistics.median(late[key]) if key in late else rate
+    recommendation_ok = rate_late is not None and best_late is not None and rate_late >= (1 - MIN_GAIN) * best_late
     return {
         "first_line": verdicts[0] if verdicts else None,
         "first_look_finds_starvation": first_ok,
         "contradicting_verdicts": contradictions,
         "recommended": recommended.group(0) if recommended else None,
         "recommended_samples_per_s": rate,
+        "recommended_median_last_two_epochs_samples_per_s": rate_late,
         "best_config_median_last_two_epochs_samples_per_s": best_late,
         "recommendation_not_slower": recommendation_ok,
     }

@@ -42,7 +42,7 @@ def test_a_first_look_in_band_a_data_bound_verdict_at_98_and_a_slow_recommendati
             "workers 0, prefetch 2 | GPU busy 85% (estimate) | in band",
         )
         .replace("GPU busy 96% (estimate) | in band", "GPU busy 98% (estimate) | data-bound (CPU saturated)")
-        .replace("(762 samples/s", "(600 samples/s")
+        .replace("workers=5 prefetch=2 pin=off persistent=on (762", "workers=0 prefetch=2 (279")  # slower than 5 x 2
     )
     result = demo_check.judge(bad, epochs=2)
     assert not result["first_look_finds_starvation"]
@@ -50,3 +50,22 @@ def test_a_first_look_in_band_a_data_bound_verdict_at_98_and_a_slow_recommendati
         "[dltune] epoch 0 | workers 5, prefetch 2 | GPU busy 98% (estimate) | data-bound (CPU saturated)"
     ]
     assert not result["recommendation_not_slower"]
+
+
+ONE_CONFIG = """\
+lightning-dltune: loader tuning
+epoch   batches   workers   prefetch   GPU busy   judged   starved   step ms   samples/s   verdict
+───────────────────────────────────────────────────────────────────────────────────────────────────────────
+    0   1-end           5          2       ~95%     ~95%        5%        40         700   in band
+    1   1-end           5          2       ~95%     ~95%        5%        39         783   in band
+    2   1-end           5          2       ~95%     ~95%        5%        39         815   in band
+recommended: workers=5 prefetch=2 pin=off persistent=on (726 samples/s, its median window: epoch 1)
+"""
+
+
+def test_a_recommendation_is_compared_with_the_others_over_the_same_epochs_not_with_its_own_later_windows():
+    # one config the whole fit: the median it quotes (over all its windows) is below its last two epochs' one,
+    # and no other config ran there: nothing measured under the same conditions was faster
+    result = demo_check.judge(GOOD.split(TABLE)[0] + ONE_CONFIG, epochs=3)
+    assert result["recommended_median_last_two_epochs_samples_per_s"] == 799.0
+    assert result["recommendation_not_slower"]
