@@ -937,6 +937,26 @@ def test_a_shift_inside_its_suspect_window_asks_for_a_short_confirming_window():
     assert decision.confirm_batches <= 15
 
 
+def test_a_move_of_the_batch_cost_the_loop_cannot_feel_is_no_new_condition():
+    # 7 workers making sub-millisecond batches beside a 20 ms step: 1.1 ms -> 0.4 ms is a 64 % move of the cost,
+    # well past the earlier windows' noise, yet a tenth of a millisecond a batch delivered to the loop
+    history = [
+        record(i, cfg(7, 8), replace(window(0.4, 20, worker_ms=1.1 + 0.01 * (i % 2), stall_fraction=0.02),
+                                     worker_batch_p95_s=0.004), cfg(7, 8))
+        for i in range(3)
+    ]
+    faster = replace(window(0.4, 20, worker_ms=0.4, stall_fraction=0.02), worker_batch_p95_s=0.0006)
+    assert decide(cfg(7, 8), faster, ROOMY, history).reason.kind != ReasonKind.SHIFT_SUSPECTED
+    # the same move behind 1 worker and a 2 ms step is felt (a third of a step a batch)
+    history = [
+        record(i, cfg(1), replace(window(0.4, 2, worker_ms=1.1 + 0.01 * (i % 2), stall_fraction=0.02),
+                                  worker_batch_p95_s=0.004), cfg(1))
+        for i in range(3)
+    ]
+    faster = replace(window(0.4, 2, worker_ms=0.4, stall_fraction=0.02), worker_batch_p95_s=0.0006)
+    assert decide(cfg(1), faster, ROOMY, history).reason.kind == ReasonKind.SHIFT_SUSPECTED
+
+
 def test_the_best_config_is_judged_under_the_latest_conditions():
     from lightning_dltune.core.history import latest_conditions, median_rate
 

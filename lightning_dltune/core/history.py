@@ -31,6 +31,8 @@ SHIFT_STEP = 0.10  # ... or a step time by more than this share (an accelerator'
 # means a busier host, whose pooled windows would otherwise read as slack) ...
 SHIFT_STARVATION = 0.15  # ... or starvation that moved by more than this (absolute) ...
 SHIFT_SIGMAS = 3.0  # ... and by more than this many standard deviations of the pooled windows: new conditions
+SHIFT_FELT = 0.05  # a cost's move, shared among the workers, is at least this share of a step: one the loop cannot
+# feel (7 workers' 1.1 ms batches down to 0.4 ms beside a 20 ms step) is no new condition for the loaders
 PARTIAL_MOVE = 2 / 3  # a shift's first window that moved less than this of the second's way holds the change inside it
 CONFIRM_BATCHES = 10  # a window that confirms a suspected shift holds at least this many batches
 _Z95 = 1.6449  # a normal's p95, in standard deviations
@@ -367,8 +369,9 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -
     ``SHIFT_COST`` of it
     (``SHIFT_STEP`` for the step, ``SHIFT_STARVATION`` points for starvation) and by more than
     ``SHIFT_SIGMAS`` standard deviations of the prior windows, and lies outside all of them. A cost also
-    needs a typical batch to move its way (:func:`_typical_agrees`): a heavy tail moves the mean alone.
-    ``None``: same conditions.
+    needs a typical batch to move its way (:func:`_typical_agrees`): a heavy tail moves the mean alone;
+    and the loop must feel it: the move shared among the workers (each delivers one batch in ``workers``)
+    at least ``SHIFT_FELT`` of a step. ``None``: same conditions.
     """
     prior = [w for w in prior if w.batches > 0]
     if not prior or new.batches <= 0:
@@ -387,7 +390,8 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -
             continue
         margin = max(floor if absolute else floor * mean, SHIFT_SIGMAS * spread)
         # and outside every earlier window: a heavy-tailed cost makes lucky windows that earlier ones also had
-        if abs(now - mean) > margin and (now > max(values) or now < min(values)):
+        felt = name != "batch time" or abs(now - mean) / max(workers, 1) > SHIFT_FELT * new.step_mean_s
+        if felt and abs(now - mean) > margin and (now > max(values) or now < min(values)):
             if _typical_agrees(name, prior, new, workers, now > mean):
                 return Shift(name, mean, now)
     return None

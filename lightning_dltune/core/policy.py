@@ -19,7 +19,8 @@ How :func:`decide` thinks, first rule that applies wins:
    what a batch costs, starvation by more than 15 points; each also beyond three standard deviations
    of the earlier windows and outside all of them, and a cost only where a typical batch moved too,
    the workers' p95 time per batch or, with 0 workers, the median fetch: a heavy tail moves the mean
-   alone; see :func:`~lightning_dltune.core.history.detect_shift`): hold and measure again, since one
+   alone; and a cost only where the loop feels it, the move shared among the workers at least 5 % of a
+   step; see :func:`~lightning_dltune.core.history.detect_shift`): hold and measure again, since one
    window is noise (a heavy-tailed cost alone makes lucky and unlucky ones). The window that confirms
    it is short: as many batches as put its mean three standard errors inside half the move
    (``Decision.confirm_batches``, at least 10 and one per worker, at most a regular window), so a
