@@ -389,8 +389,8 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -
         if not absolute and mean <= 0:
             continue
         margin = max(floor if absolute else floor * mean, SHIFT_SIGMAS * spread)
-        # and outside every earlier window: a heavy-tailed cost makes lucky windows that earlier ones also had
         felt = name != "batch time" or abs(now - mean) / max(workers, 1) > SHIFT_FELT * new.step_mean_s
+        # and outside every earlier window: a heavy-tailed cost makes lucky windows that earlier ones also had
         if felt and abs(now - mean) > margin and (now > max(values) or now < min(values)):
             if _typical_agrees(name, prior, new, workers, now > mean):
                 return Shift(name, mean, now)
