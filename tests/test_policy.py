@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pipeline_sim import Pipeline, simulate
 
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.history import RETRY_AFTER_WINDOWS, best_config, recall
+from lightning_dltune.core.history import RETRY_AFTER_WINDOWS, best_config, detect_shift, recall
 from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, EpochRecord, PolicySettings, ReasonKind, Verdict
 from lightning_dltune.core.stats import UtilSource, WindowStats
@@ -955,6 +955,16 @@ def test_a_move_of_the_batch_cost_the_loop_cannot_feel_is_no_new_condition():
     ]
     faster = replace(window(0.4, 2, worker_ms=0.4, stall_fraction=0.02), worker_batch_p95_s=0.0006)
     assert decide(cfg(1), faster, ROOMY, history).reason.kind == ReasonKind.SHIFT_SUSPECTED
+
+
+def test_a_look_part_way_through_a_window_weighs_its_fewer_batches_noise():
+    # whole windows of 125 batches whose step means spread 1 ms; 25 batches so far of a window, 4.5 ms slower:
+    # beyond three of the whole windows' deviations, within three of what a 25-batch mean varies by
+    prior = [window(0.5, step, batches=125, stall_fraction=0.0) for step in (20, 21, 22)]
+    so_far = window(0.5, 25.5, batches=25, stall_fraction=0.0)
+    assert detect_shift(prior, so_far, 2) is not None
+    assert detect_shift(prior, so_far, 2, part=True) is None
+    assert detect_shift(prior, window(0.5, 30, batches=25, stall_fraction=0.0), 2, part=True) is not None
 
 
 def test_the_best_config_is_judged_under_the_latest_conditions():

@@ -43,14 +43,15 @@ def test_where_the_loaders_cannot_switch_or_ranks_may_not_meet_windows_close_at_
     assert (schedule.end, schedule.look) == (NO_BATCH, NO_BATCH)
 
 
-def test_a_long_window_looks_for_new_conditions_every_window_batches():
+def test_a_long_window_looks_for_new_conditions_every_half_window_batches():
     schedule = WindowSchedule(window_batches=50, window_seconds=3.0)
     schedule.next_length = schedule.length_after(paced(0.020))  # 150 batches
     schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
-    assert (schedule.end, schedule.look) == (349, 249)
-    schedule.looked(249)
-    assert schedule.look == 299
-    schedule.looked(299)
+    assert (schedule.end, schedule.look) == (349, 224)
+    for look in (224, 249, 274, 299):
+        schedule.looked(look)
+        assert schedule.look == look + 25
+    schedule.looked(324)
     assert schedule.look == NO_BATCH  # the next look would be the close itself
     schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=False)
     assert schedule.look == NO_BATCH  # monitoring only: nothing to act on early
@@ -64,3 +65,15 @@ def test_a_window_that_confirms_a_suspected_change_is_as_short_as_the_decision_a
     schedule.next_length = schedule.length_after(paced(0.020), confirm_batches=20)
     schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
     assert (schedule.end, schedule.look) == (219, NO_BATCH)  # short: nothing to look at in between
+
+
+def test_looks_are_at_least_ten_batches_apart_and_reach_a_window_the_epoch_end_closes():
+    schedule = WindowSchedule(window_batches=10, window_seconds=3.0)
+    schedule.next_length = schedule.length_after(paced(0.020))  # 150 batches
+    schedule.open(0, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
+    assert schedule.look == 9  # not every 5: a look tells what a confirming window would, on as many batches
+    # an epoch of 48 batches, a window planned longer: it closes at the epoch end and looks half-way
+    schedule = WindowSchedule(window_batches=50, window_seconds=3.0)
+    schedule.next_length = schedule.length_after(paced(0.020))
+    schedule.open(0, epoch_batches=48, mid_epoch=True, seen=True, looks=True)
+    assert (schedule.end, schedule.look) == (NO_BATCH, 24)

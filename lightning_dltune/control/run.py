@@ -97,7 +97,7 @@ class TuningRun:
         if config is None or not stats.fetches:
             return False
         prior = same_conditions(self.history, config)
-        return bool(prior) and detect_shift(prior, stats, config.num_workers) is not None
+        return bool(prior) and detect_shift(prior, stats, config.num_workers, part=True) is not None
 
     def looked(self, batch_idx: int) -> None:
         """A look at ``batch_idx`` found the same conditions."""

@@ -360,7 +360,9 @@ def _standing(ceiling: Optional[_Strike], now: int) -> Optional[int]:
     return ceiling.value if ceiling is not None and ceiling.stands(now) else None
 
 
-def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -> Optional[Shift]:
+def detect_shift(
+    prior: Sequence[WindowStats], new: WindowStats, workers: int, part: bool = False
+) -> Optional[Shift]:
     """Whether ``new`` differs from the same config's ``prior`` windows by more than their noise explains.
 
     Compared: the data side's cost per batch (a worker's time per batch where the loader says it; the
@@ -372,10 +374,15 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -
     needs a typical batch to move its way (:func:`_typical_agrees`): a heavy tail moves the mean alone;
     and the loop must feel it: the move shared among the workers (each delivers one batch in ``workers``)
     at least ``SHIFT_FELT`` of a step. ``None``: same conditions.
+
+    ``part``: ``new`` is a window so far (a look part-way through it), whose mean is noisier than those of
+    the whole windows it is compared with: their standard deviation is scaled by the square root of their
+    mean batches over its batches.
     """
     prior = [w for w in prior if w.batches > 0]
     if not prior or new.batches <= 0:
         return None
+    noise = max(1.0, math.sqrt(sum(w.batches for w in prior) / len(prior) / new.batches)) if part else 1.0
     costed = False  # starvation speaks only where the batch's cost cannot: it also moves with bursts and stalls
     for name, signal, floor in _signals(workers):
         values = [v for v in (signal(w) for w in prior) if v is not None]
@@ -388,7 +395,7 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int) -
         absolute = name == "starvation"  # a share: it moves by points (from 0, too); costs move by their share
         if not absolute and mean <= 0:
             continue
-        margin = max(floor if absolute else floor * mean, SHIFT_SIGMAS * spread)
+        margin = max(floor if absolute else floor * mean, SHIFT_SIGMAS * spread * noise)
         felt = name != "batch time" or abs(now - mean) / max(workers, 1) > SHIFT_FELT * new.step_mean_s
         # and outside every earlier window: a heavy-tailed cost makes lucky windows that earlier ones also had
         if felt and abs(now - mean) > margin and (now > max(values) or now < min(values)):

@@ -3,9 +3,9 @@
 A window holds at least ``window_batches`` batches and ``window_seconds`` seconds at the last window's
 pace; the fit's first one is shorter (``first_batches``: judge the start config early). Windows close
 anywhere in an epoch and at every epoch end; an epoch's last window takes the tail when the tail would
-be shorter than half a window. A window longer than ``window_batches`` also *looks* every
-``window_batches`` batches (the callback closes it early there when conditions changed). A window that
-only confirms a suspected change is as short as the decision says is enough (``length_after``).
+be shorter than half a window. A window longer than half ``window_batches`` (and 10 batches) also
+*looks* that often (the callback closes it early there when conditions changed). A window that only
+confirms a suspected change is as short as the decision says is enough (``length_after``).
 
 Every input is the same on every DDP rank (the epoch's length, the broadcast length of the next
 window), so every rank closes the same window at the same batch index.
@@ -24,6 +24,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from lightning_dltune.core.history import CONFIRM_BATCHES
 from lightning_dltune.core.stats import WindowStats
 
 NO_BATCH = -1  # "at the epoch end" for a close, "never" for a look
@@ -32,6 +33,8 @@ WARMUP_FACTOR = 1.5  # a step this much slower than the window's settled pace is
 WARMUP_FLOOR_S = 0.005  # ... and at least this much slower (a few ms of noise on a sub-ms step is not warm-up)
 _FALLING = 0.67  # the last third of the settled steps this much faster than their first third: the pace still falls
 _MOST_SETTLING = 4  # a window whose pace still falls goes on to at most this many times its planned length
+LOOK_FRACTION = 0.5  # a long window looks for new conditions every this share of ``window_batches`` ...
+LOOK_FEWEST = CONFIRM_BATCHES  # ... and at least this many batches apart (a look tells what a confirmation would)
 
 
 def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:
@@ -111,22 +114,31 @@ class WindowSchedule:
             mid_epoch: whether it may close before the epoch end (every rank reaches the batch, and the
                 loaders can switch there).
             seen: whether the fit already closed a window (else this is the first, ``first_batches`` long).
-            looks: whether a long window looks for new conditions every ``window_batches`` batches.
+            looks: whether a long window looks for new conditions every :attr:`look_every` batches.
         """
         self.end = self.look = NO_BATCH
         if not mid_epoch:
             return
         length = self.next_length
-        if looks and seen and length > self.window_batches:
-            self.look = first_batch + self.window_batches - 1
+        if looks and seen and length > self.look_every:
+            self.look = first_batch + self.look_every - 1
         end = first_batch + length - 1
         tail = math.ceil(length / 2) if seen else length  # the first window: an epoch at least twice as long
         if math.isfinite(epoch_batches) and epoch_batches - (end + 1) < tail:
             return
         self.end = end
 
+    @property
+    def look_every(self) -> int:
+        """Batches between a long window's looks: half ``window_batches``, at least :data:`LOOK_FEWEST`.
+
+        A storage slowdown inside a window is seen once the window's mean moved: looks twice a window
+        length apart saw 3x slower batches about 25 batches later than looks once a window length.
+        """
+        return max(LOOK_FEWEST, math.ceil(LOOK_FRACTION * self.window_batches))
+
     def looked(self, batch_idx: int) -> None:
         """The look at ``batch_idx`` found the same conditions: the next one, if the window goes on that long."""
-        self.look = batch_idx + self.window_batches
+        self.look = batch_idx + self.look_every
         if self.end != NO_BATCH and self.look >= self.end:
             self.look = NO_BATCH
