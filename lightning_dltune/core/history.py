@@ -360,9 +360,7 @@ def _standing(ceiling: Optional[_Strike], now: int) -> Optional[int]:
     return ceiling.value if ceiling is not None and ceiling.stands(now) else None
 
 
-def detect_shift(
-    prior: Sequence[WindowStats], new: WindowStats, workers: int, part: bool = False
-) -> Optional[Shift]:
+def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int, part: bool = False) -> Optional[Shift]:
     """Whether ``new`` differs from the same config's ``prior`` windows by more than their noise explains.
 
     Compared: the data side's cost per batch (a worker's time per batch where the loader says it; the
