@@ -444,7 +444,7 @@ def confirm_batches(prior: Sequence[WindowStats], new: WindowStats, shift: Shift
     whose p95 is the new one's typical batch (130 ms batches after 47 ms ones read as a 36 ms spread, and
     asked for a whole window where 10 batches tell a 3x slowdown).
     """
-    move = abs(shift.now - shift.before)
+    move = _moved(shift)
     signal = dict((name, f) for name, f, _ in _signals(workers))[shift.signal]
     known = [(v, w) for v, w in ((signal(w), w) for w in prior) if v is not None and w.batches > 0]
     if move <= 0 or len(known) < 2:
