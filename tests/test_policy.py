@@ -256,6 +256,23 @@ def test_oversubscribed_cpus_cut_workers_and_deep_prefetch_although_starved():
     assert "CPU-bound, 16 workers x prefetch 1 -> " in reason_text(workers.reason)
 
 
+def test_at_the_budgets_most_a_measured_cpu_share_past_the_cpus_is_cut_and_measured():
+    # 7 x 8 on 2 CPUs, the budget's most, starved; each batch ~86% CPU work by the workers' clocks, so the model
+    # counts 3 workers to carry the CPUs, yet production plus the training process came to 1.6 of 2 CPUs (not
+    # measured busy): nothing up to measure, so the cut is, and its speed judges it
+    stats = replace(window(7, 22, worker_ms=160, cpu_fraction=0.27, batch_bytes=MB), main_cpu_fraction=0.1)
+    at_most = Budget(max_workers=7, cpus=2)
+    decision = decide(cfg(7, 8), stats, at_most, [record(0, cfg(7, 8), stats, cfg(7, 8))])
+    assert decision.config == cfg(7, 1) and decision.reason.kind == ReasonKind.OVERSUBSCRIBED
+    # the verdict needs CPU evidence: the CPUs were not measured busy
+    assert decision.verdict == Verdict.DATA_BOUND_IO
+    text = reason_text(decision.reason)
+    assert "7 workers, the budget's most, are more than the 2 CPUs" in text and "measuring prefetch 8 -> 1" in text
+    # below the budget's most the same window is not cut: a step up is still there to measure
+    roomy = decide(cfg(7, 8), stats, Budget(max_workers=16, cpus=2), [record(0, cfg(7, 8), stats, cfg(7, 8))])
+    assert roomy.reason.kind != ReasonKind.OVERSUBSCRIBED
+
+
 # ------------------------------------------------------------------------------------------------
 # Above the band: give back one notch at a time
 
@@ -272,6 +289,23 @@ def test_above_band_gives_back_all_the_modelled_slack_in_one_step():
     assert confirmed.config == cfg(2, 2) and "prefetch 4 -> 2" in reason_text(confirmed.reason)
     assert confirmed.reason.kind == ReasonKind.GIVE_BACK_WORKERS
     assert (confirmed.reason["workers"], confirmed.reason["to_workers"]) == (16, 2)
+
+
+def test_a_starved_first_window_does_not_bar_giving_back_once_the_config_is_in_the_band():
+    # 7 x 8 of cheap in-memory batches: its first window starved (its workers starting), the next ones idle at
+    # 98%: the slack is given back although that first window starved at more than every leaner config holds
+    first = window(5, 21, batches=10, worker_ms=1, cpu_fraction=1.0, stall_fraction=0.5)
+    idle = window(0.4, 21, batches=50, worker_ms=0.4, cpu_fraction=1.0, stall_fraction=0.02)
+    budget = Budget(max_workers=7, cpus=2)
+    history = [record(0, cfg(7, 8), first, cfg(7, 8)), record(0, cfg(7, 8), idle, cfg(7, 8))]
+    history += [record(1, cfg(7, 8), idle, cfg(7, 8))]
+    decision = decide(cfg(7, 8), idle, budget, history)
+    assert decision.config.num_workers < 7, reason_text(decision.reason)
+    # nor does a config starved at more than a cut from it that ran in the band with less
+    starved = window(7, 22, worker_ms=160, cpu_fraction=0.27)
+    cut = [record(0, cfg(7, 8), starved, cfg(7, 8)), record(1, cfg(7, 8), starved, cfg(7, 1))]
+    assert recall(cut[:1], cfg(7, 8), starved, budget, DEFAULTS).starved == ((7, 8),)
+    assert recall(cut, cfg(7, 1), idle, budget, DEFAULTS).starved == ()
 
 
 def test_above_band_keeps_the_lead_that_absorbs_a_heavy_tail():

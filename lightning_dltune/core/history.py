@@ -238,8 +238,19 @@ class _Replay:
         return streak
 
     def _note_starved(self, window: WindowStats, config: LoaderConfig) -> None:
-        if is_starved(window, self.settings) and resources(config) not in self.starved:
-            self.starved.append(resources(config))
+        """``config`` is starved under today's conditions while its (pooled) windows are.
+
+        A starved config bars the leaner ones (fewer resources starve more), until a config at or below it is
+        measured not starved: its own windows after a first one that its workers' start starved, or a cut from
+        an oversubscribed config that ran faster with less.
+        """
+        held = resources(config)
+        if is_starved(window, self.settings):
+            if held not in self.starved:
+                self.starved.append(held)
+            return
+        w, p = held
+        self.starved[:] = [(sw, sp) for sw, sp in self.starved if not (sw >= w and sp >= p)]
 
     def _judge(self, i: int, streak: _Streak, before: LoaderConfig, before_stats: WindowStats) -> None:
         """The change from ``before`` that started ``streak``, on its windows up to ``i``: undone, capped or kept."""

@@ -738,10 +738,14 @@ def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling
         measured = _measured_step(case, starved, cost, reach)
     if measured is not None or limit != cpu_limit:
         return measured or (current, case.data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost}))
-    cut = _oversubscribed_cut(case, cpu_limit) if case.cpu_bound and workers > cpu_limit else None
+    # past the CPUs the model counts: cut where the CPUs were measured busy, and at the budget's most (nothing up
+    # to measure) where the loader measured its CPU share; the cut is judged by its speed either way
+    over = case.cpu_bound or (workers >= case.budget.max_workers and model.cpu_known)
+    cut = _oversubscribed_cut(case, cpu_limit) if over and workers > cpu_limit else None
     if cut is not None:
-        numbers = {**starved, **cpus, "prefetch": current.prefetch_factor, "to": pair(cut)}
-        return cut, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.OVERSUBSCRIBED, numbers)
+        verdict = _modelled_cpu_verdict(case)
+        numbers = {**starved, **cpus, "prefetch": current.prefetch_factor, "to": pair(cut), "cpu_bound": case.cpu_bound}
+        return cut, verdict, Reason(ReasonKind.OVERSUBSCRIBED, numbers)
     probe = _saturated_probe(case, starved, cost, reach)
     if probe is not None:
         return probe

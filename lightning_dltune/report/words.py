@@ -304,6 +304,11 @@ def _more_workers(v: dict[str, Any]) -> str:
 
 def _oversubscribed(v: dict[str, Any]) -> str:
     head = f"{_starved(v)}; {_workers(v['workers'])} oversubscribe the {_cpus(v)}: the pipeline is CPU-bound, "
+    if not v.get("cpu_bound", True):  # the budget's most, the CPUs not measured busy: the cut is a measurement
+        head = (
+            f"{_starved(v)}; {_workers(v['workers'])}, the budget's most, are more than the {_cpus(v)} are counted "
+            "to carry: measuring "
+        )
     if "to" not in v:  # a reason recorded before the cut carried its config
         return head + f"{v['workers']} -> {v['to_workers']}"
     to_workers, to_prefetch = v["to"]
