@@ -364,6 +364,17 @@ def test_give_back_that_lost_the_band_is_undone_on_two_windows_and_not_retried_s
     assert again.verdict == Verdict.COMPUTE_BOUND
 
 
+def test_a_give_back_whose_confirming_window_is_back_in_the_band_is_not_undone():
+    # a neighbour slowed the give-back's first window and left: the second window, on its own, keeps the band
+    slack = window(0, 10, stall_fraction=0.0, worker_ms=20, cpu_fraction=0.2)
+    lost = window(5, 10, worker_ms=45, cpu_fraction=0.2)  # 67 % busy, the neighbour's window
+    kept = window(0.3, 10, stall_fraction=0.02, worker_ms=20, cpu_fraction=0.2)  # 97 %: what 3 workers make
+    history = [record(0, cfg(4, 1), slack, cfg(3, 1)), record(1, cfg(3, 1), lost, cfg(3, 1))]
+    decision = decide(cfg(3, 1), kept, ROOMY, history)
+    assert decision.config.num_workers <= 3, reason_text(decision.reason)
+    assert decision.reason.kind != ReasonKind.UNDO_GIVE_BACK
+
+
 def test_fast_pipeline_started_wide_is_brought_down():
     pipeline = Pipeline(cpu_s=0.0005, io_s=0.0005, step_s=0.010, noise=0.05)
     records = tune(pipeline, cfg(16, 8), Budget(max_workers=32, cpus=32), cores=32, epochs=8)

@@ -411,7 +411,15 @@ def _judge_last_change(case: _Case) -> Optional[_Rule]:
     # a give-back keeps the data side's speed (the utilization: the step drifts on its own): undone where it clearly
     # lost more than `min_gain` of it (by the hysteresis too: the model aims at half of it), unless the step itself
     # slowed meanwhile
-    slower = last.util_gain < -(settings.min_gain + settings.hysteresis + noise) and not last.contention
+    lost = settings.min_gain + settings.hysteresis + noise
+    slower = last.util_gain < -lost and not last.contention
+    if last.kind is ChangeKind.GIVE_BACK and last.confirmed and (starved or slower):
+        # one window is noise until a second agrees: the latest, on its own, must show the loss too (a
+        # neighbour that slowed the give-back's first window only, and left, is no reason to go back)
+        latest = case.latest
+        gone = latest.utilization / max(last.before_stats.utilization, 1e-9) - 1.0 >= -lost
+        if gone and not (is_starved(latest, settings) and not cut_while_starved):
+            starved = slower = False
     if last.kind is ChangeKind.GIVE_BACK and (starved or slower):
         numbers = {
             "config": pair(current),
