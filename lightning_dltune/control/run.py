@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from lightning_dltune.control.budgets import cap_after_failure, less_the_other_side
 from lightning_dltune.control.switchable import FailureListener, SwitchableLoaders
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.history import detect_shift, same_conditions
+from lightning_dltune.core.history import CONFIRM_BATCHES, detect_shift, same_conditions
 from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, Decision, PolicySettings, WindowRecord
 from lightning_dltune.core.stats import WindowStats
@@ -114,13 +114,17 @@ class TuningRun:
         broadcast: Broadcast = _alone,
     ) -> Optional[WindowRecord]:
         """Judge a window of ``config`` that measured the job-wide ``stats``; ``None`` without a fetch to judge,
-        or mid-epoch while its step time still falls (warm-up, :meth:`WindowSchedule.goes_on`: it goes on).
+        mid-epoch while its step time still falls or its config barely ran after a switch's drain
+        (:meth:`WindowSchedule.goes_on`: it goes on), or at an epoch end where the config made fewer than
+        ``CONFIRM_BATCHES`` batches after that drain (the next epoch's window is its first).
 
         Every rank runs the same numbers and keeps rank zero's decision and next window length (one
         ``broadcast``). A changed config applies from the next epoch start or, mid-epoch (``end_batch``),
         to the training loaders right away.
         """
         if stats.fetches == 0:  # no evidence: a window whose only fetch was the loader's start-up
+            return None
+        if end_batch is None and stats.drained_batches and stats.batches < CONFIRM_BATCHES:
             return None
         if end_batch is not None and self.windows.goes_on(stats, seen=bool(self.history)):
             return None  # the step time still falls (warm-up): the window goes on, judged when settled

@@ -113,6 +113,8 @@ class WindowStats:
         warmup_batches: the window's leading warm-up steps, left out of every other field (see
             :func:`~lightning_dltune.core.windows.warmup_steps`).
         settling: 1 where the step time was still falling at the window's end (more warm-up to come).
+        drained_batches: the window's leading batches that a mid-epoch switch's old workers delivered (made
+            by the config before it), left out of every other field.
     """
 
     batches: int = stat(0, Pool.SUM, Reduce.WORST)
@@ -137,6 +139,7 @@ class WindowStats:
     worker_batch_max_s: Optional[float] = stat(None, Pool.MAX, Reduce.MAX)  # the slowest batch any rank saw
     warmup_batches: int = stat(0, Pool.SUM, Reduce.MAX)
     settling: int = stat(0, Pool.LATEST, Reduce.MAX)  # any rank still warming up
+    drained_batches: int = stat(0, Pool.SUM, Reduce.MAX)
     tail_wait_s: float = stat(0.0, Pool.SUM, Reduce.WORST)  # the most starved rank's, as its total
 
     def __post_init__(self) -> None:
@@ -154,8 +157,8 @@ class WindowStats:
 
     @property
     def all_batches(self) -> int:
-        """The window's batches, its warm-up included."""
-        return self.batches + self.warmup_batches
+        """The window's batches, its warm-up and the batches drained from the config before included."""
+        return self.batches + self.warmup_batches + self.drained_batches
 
     @property
     def busy_s(self) -> float:

@@ -102,10 +102,13 @@ class WindowSchedule:
         return regular
 
     def goes_on(self, stats: WindowStats, seen: bool) -> bool:
-        """Whether a window that closes mid-epoch while its pace still falls (``stats.settling``) goes on
-        rather than be judged: up to :data:`_MOST_SETTLING` times its planned length."""
+        """Whether a window that closes mid-epoch goes on rather than be judged: while its pace still falls
+        (``stats.settling``), or while its config made fewer batches than planned after the batches a switch
+        drained from the config before (``stats.drained_batches``); up to :data:`_MOST_SETTLING` times its
+        planned length."""
         planned = self.window_batches if seen else (self.first_batches or self.window_batches)
-        return bool(stats.settling) and stats.all_batches < _MOST_SETTLING * planned
+        drained = stats.drained_batches > 0 and stats.batches < planned
+        return (bool(stats.settling) or drained) and stats.all_batches < _MOST_SETTLING * planned
 
     def open(self, first_batch: int, epoch_batches: float, mid_epoch: bool, seen: bool, looks: bool = False) -> None:
         """A window opens at batch index ``first_batch`` of an epoch of ``epoch_batches`` (``inf``: unknown).

@@ -81,6 +81,10 @@ class FetchRecorder(Protocol):
 
     def record_startup(self, seconds: float) -> None: ...
 
+    def record_drain(self) -> None: ...
+
+    def record_drained(self) -> None: ...
+
 
 class ProductionCounters:
     """Cumulative batches, wall and CPU seconds of batch production and a histogram of the wall time per
@@ -258,10 +262,12 @@ class _FetchTimingIterator(Iterator):
 
     def __next__(self) -> Any:
         switch = self._loader.switch
+        recorder = self._loader.fetch_recorder
         if switch is not None and switch.state is SwitchState.PENDING and self._draining is None:
             if switch.begin_drain(self._it):
                 self._draining = switch
-        recorder = self._loader.fetch_recorder
+                if recorder is not None:  # what the old workers hold is the config before's: not measured
+                    recorder.record_drain()
         ready = self._ready() if recorder is not None and not self._first else -1
         t0 = time.perf_counter()
         cpu0 = time.thread_time() if self._time_here else 0.0
@@ -271,6 +277,8 @@ class _FetchTimingIterator(Iterator):
             if self._draining is None:
                 raise  # the epoch really ended
             draining, self._draining = self._draining, None
+            if recorder is not None:
+                recorder.record_drained()
             self._use(draining.start_rest(), time.perf_counter())  # new workers' first batch: start-up
             return self.__next__()
         except Exception as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from typing import Optional
+from typing import Callable, Optional
 
 from lightning_dltune.core.stats import UtilSource, WindowStats, tail_wait
 from lightning_dltune.core.windows import warmup_steps
@@ -56,6 +56,8 @@ class WindowMeter:
         self._capacity = capacity
         self._fetch_buf = array("d", bytes(8 * capacity))
         self._step_buf = array("d", bytes(8 * capacity))
+        self._draining = 0  # loaders whose old workers still deliver what they held (a switch mid-epoch)
+        self.on_drained: Optional[Callable[[], None]] = None  # told when the last of them delivered it all
         self.reset()
 
     def reset(self) -> None:
@@ -69,7 +71,12 @@ class WindowMeter:
         self.step_total_s = 0.0
         self.startup_s = 0.0
         self.fresh = True  # the loaders just started: the window's first steps may be warm-up
+        self.drained = 0  # leading fetches of the config before a mid-epoch switch (its old workers' batches)
         self.reset_interval()
+
+    def drain_over(self) -> None:
+        """The loaders (re)started: no switch is draining (an epoch start)."""
+        self._draining = 0
 
     # -- per-batch path -------------------------------------------------------------------------
     def record_fetch(self, wait_s: float, ready: int = UNKNOWN_READY) -> None:
@@ -91,6 +98,19 @@ class WindowMeter:
     def record_startup(self, seconds: float) -> None:
         """Loader start-up (iterator creation, workers starting, pipeline fill): never fetch wait."""
         self.startup_s += seconds
+
+    # -- a switch mid-epoch (once a switch, not per batch) ----------------------------------------
+    def record_drain(self) -> None:
+        """A loader switching mid-epoch stopped handing out work: its fetches until :meth:`record_drained` are
+        the batches its old workers held, made by the config before (left out of the window)."""
+        self._draining += 1
+
+    def record_drained(self) -> None:
+        """The old workers delivered all they held: the new config's batches start with the next fetch."""
+        self._draining = max(0, self._draining - 1)
+        self.drained = self.fetches
+        if not self._draining and self.on_drained is not None:
+            self.on_drained()
 
     def record_step(self, step_s: float) -> None:
         self._step_buf[self.steps % self._capacity] = step_s
@@ -122,27 +142,32 @@ class WindowMeter:
     ) -> WindowStats:
         """This rank's stats of the window (before any cross-rank reduction).
 
-        Batches are those whose step was measured, less a fresh window's warm-up
-        (:func:`~lightning_dltune.core.windows.warmup_steps`: its leading slow steps, and their fetches,
-        are left out and counted in ``warmup_batches``). A fetch whose batch never reached a step (the
-        window ended) does not count. ``samples`` is ``batches * batch_size`` (``batch_size``: the
+        Batches are those whose step was measured, less the leading ones a mid-epoch switch's old workers
+        delivered (all of them while they still deliver; counted in ``drained_batches``) and less a fresh
+        window's warm-up after those (:func:`~lightning_dltune.core.windows.warmup_steps`: its leading slow
+        steps, and their fetches, are left out and counted in ``warmup_batches``). A fetch whose batch never
+        reached a step (the window ended) does not count. ``samples`` is ``batches * batch_size`` (``batch_size``: the
         samples of one step, every train loader's batch together). ``fetches_per_step``: loaders
         that each report a fetch for every step (several train loaders combined). ``workers``: the train
         loader's workers, where known (what a batch's making takes, where the workers cannot say it, is
         then read from the loop's clock: no stall outlasts it but a heavy tail's).
         """
         per_step = max(1, fetches_per_step)
+        unwrapped = self.steps <= self._capacity and self.fetches <= self._capacity
+        drained = min((self.fetches if self._draining else self.drained) // per_step, self.steps) if unwrapped else 0
         judged = self.fresh and self.steps <= self._capacity  # warm-up follows a loader start
-        warmup, settling = warmup_steps(self._step_buf[: self.steps]) if judged else (0, False)
-        left_out = min(warmup * per_step, self.fetches) if self.fetches <= self._capacity else 0
-        warmup = warmup if left_out or not self.fetches else 0  # fetches in a ring buffer: nothing left out
+        warmup, settling = warmup_steps(self._step_buf[drained : self.steps]) if judged else (0, False)
+        lead = drained + warmup
+        left_out = min(lead * per_step, self.fetches) if self.fetches <= self._capacity else 0
+        if not left_out and self.fetches:  # fetches in a ring buffer: nothing left out
+            lead = drained = warmup = 0
         n_fetch = min(self.fetches, self._capacity)
         n_step = min(self.steps, self._capacity)
         fetch_sorted = sorted(self._fetch_buf[left_out:n_fetch])
-        step_sorted = sorted(self._step_buf[warmup:n_step])
-        batches = self.steps - warmup
+        step_sorted = sorted(self._step_buf[lead:n_step])
+        batches = self.steps - lead
         fetches = self.fetches - left_out
-        step_total_s = self.step_total_s - sum(self._step_buf[:warmup])
+        step_total_s = self.step_total_s - sum(self._step_buf[:lead])
         # Without a prefetching fetcher every step has one fetch per loader; if fetches outnumber that,
         # the extra ones were for batches not stepped yet, so sums are scaled to the stepped batches.
         fetch_wait_total_s = raw_total = self.fetch_wait_total_s - sum(self._fetch_buf[:left_out])
@@ -183,4 +208,5 @@ class WindowMeter:
             tail_wait_s=tail_s * (fetch_wait_total_s / raw_total if raw_total > 0 else 1.0),
             warmup_batches=warmup,
             settling=int(settling),
+            drained_batches=drained,
         )

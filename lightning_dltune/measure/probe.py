@@ -61,6 +61,7 @@ class WindowProbe:
     def __init__(self, stall_threshold_s: float, validation: bool = False) -> None:
         self.validation = validation
         self.meter = WindowMeter(stall_threshold_s=stall_threshold_s)
+        self.meter.on_drained = self._mark  # a switch mid-epoch: the new workers' production from then on
         self.sampler: Optional[UtilizationSampler] = None
         self.config: Optional[LoaderConfig] = None  # the config the window runs
         self.tuned_loaders = False  # every train loader reports its own fetches
@@ -112,6 +113,7 @@ class WindowProbe:
         self.switchable = self.tuned_loaders and not any(isinstance(dl.dataset, IterableDataset) for dl in tuned)
         for loader in tuned:
             loader.fetch_recorder = self.meter
+        self.meter.drain_over()  # the loaders start their epoch: nothing is left of a switch before it
         # a step takes a batch of each train loader (unless Lightning combines them sequentially); with
         # our loaders each reports its own fetch, plain ones are timed together around the combined fetch
         # validation runs a list of loaders one after another (one fetch per step), a CombinedLoader in its mode
@@ -128,10 +130,15 @@ class WindowProbe:
         self.meter.reset()
         self.meter.fresh = fresh
         self.config = config
-        self._marks = [(c, c.totals(), c.histogram()) for dl in self._loaders if (c := counters_of(dl)) is not None]
         if self.sampler is not None:
             self.sampler.start_window()
             self.pause_util()  # loader start-up is not training: the next batch resumes
+        self._mark()
+
+    def _mark(self) -> None:
+        """Production and the training process's CPU are counted from now on (a window opens, or a switch's
+        old workers delivered all they held: what they made was the config before's)."""
+        self._marks = [(c, c.totals(), c.histogram()) for dl in self._loaders if (c := counters_of(dl)) is not None]
         self._cpu0 = time.process_time()
         self._wall0 = time.perf_counter()
 

@@ -82,6 +82,12 @@ class _LoaderRecorder:
         self._tally.startup_s[self._index] += seconds
         self._meter.record_startup(seconds)
 
+    def record_drain(self) -> None:
+        self._meter.record_drain()
+
+    def record_drained(self) -> None:
+        self._meter.record_drained()
+
 
 def _zeros(kind: str, n: int) -> array:
     return array(kind, bytes(array(kind).itemsize * n))
