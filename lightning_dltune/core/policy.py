@@ -32,12 +32,13 @@ How :func:`decide` thinks, first rule that applies wins:
 4. **Judge the last change, on two windows.** More workers or deeper prefetch that lowered throughput
    by more than ``min_gain``, or a give-back that left the loop starved below the band or clearly cost
    speed (utilization down by more than ``min_gain`` and the hysteresis: the step drifts on its own,
-   the utilization does not), is measured again (one window is noise until a second agrees), then
-   undone. If the step itself got more than 25 % slower meanwhile, the machine was busy (contention),
-   not necessarily the config: that undo expires after ``RETRY_AFTER_WINDOWS`` (16) windows, doubling
-   each time it repeats. Other undone configs are not tried again under the same conditions. A slower
-   step up of several workers is retried smaller before the CPUs are called saturated: no CPU limit is
-   declared at a count not measured against one worker more.
+   the utilization does not), is measured again (one window is noise until a second agrees, and a
+   give-back's second window must show the loss on its own), then undone. If the step itself got more
+   than 25 % slower meanwhile, the machine was busy (contention), not necessarily the config: that undo
+   expires after ``RETRY_AFTER_WINDOWS`` (16) windows, doubling each time it repeats. Other undone
+   configs are not tried again under the same conditions. A slower step up of several workers is retried
+   smaller before the CPUs are called saturated: no CPU limit is declared at a count not measured against
+   one worker more.
 5. **Below the band and starved:** add throughput, sized by the model rather than by doubling. The tuner's
    loaders measure, inside the workers, the wall and CPU time to make one batch and its p95; Little's law
    gives the workers that feed the step (with ``headroom``, 20 %), the p95 adding what in-order delivery
@@ -53,7 +54,9 @@ How :func:`decide` thinks, first rule that applies wins:
    goes to 1 first (the queue is empty whatever its depth: deeper only holds memory), then the workers the
    CPUs carry; at it, the workers x prefetch batches in flight go to one a worker over more workers (at
    least one more, at most twice as many). A cut taken on a starved window is judged by its speed beyond
-   the noise of its windows, a step up on busy CPUs that gains less than ``min_gain`` goes back. Workers
+   the noise of its windows, a step up on busy CPUs that gains less than ``min_gain`` goes back. The same
+   cut is measured at the worker budget's most where the workers' measured CPU share says the CPUs carry
+   fewer workers though they came out under busy: nothing up is left to measure there. Workers
    also stop where the last increase gained less than ``min_gain`` although the model (or, for a measured
    step, the delivery) expected at least twice that, or at the budget; memory may cap them. Bursty stalls
    (most fetches find a batch ready, the workers make enough on average) get deeper prefetch instead. Where
@@ -66,7 +69,9 @@ How :func:`decide` thinks, first rule that applies wins:
    lose at most half of ``min_gain`` (judged at a cost two standard errors above the windows' mean, and
    against the best utilization measured under today's conditions, so give-backs in a row do not add up)
    and, where the queue never ran dry, prefetch back to the default of 2. Never down to a config that was
-   starved under today's conditions, nor to one a step up paid to leave, nor, under a heavy tail (the
+   starved under today's conditions (until a config at or below it is measured not starved: a first
+   window its workers' start starved is no bar once the next ones keep the band), nor to one a step up
+   paid to leave, nor, under a heavy tail (the
    slowest batch seen over three times the p95: the mean and the p95 miss it), to a shorter lead than twice
    the slowest batch (the lead: workers x prefetch batches in the loop's time, what absorbs a slow batch),
    and only on two windows' evidence (slack costs CPU and RAM, starving costs throughput; one lucky window
