@@ -145,6 +145,16 @@ def test_bursty_stalls_get_deeper_prefetch_not_workers():
     assert decision.reason["to_prefetch"] == decision.config.prefetch_factor
 
 
+def test_a_wait_without_a_single_stall_is_no_burst():
+    # 7 x 1 at the budget's most, 85 % busy: every fetch found a batch ready, and the loop still waited 13 %
+    # (large batches' hand-over from the workers): deeper prefetch cannot shorten that
+    stats = window(3.3, 22, stall_fraction=0.0, worker_ms=60, cpu_fraction=0.7, batch_bytes=19 * MB)
+    stats = replace(stats, main_cpu_fraction=0.1)  # the workers make ~1.0x what the step eats
+    history = [record(0, cfg(7, 1), stats, cfg(7, 1))]
+    decision = decide(cfg(7, 1), stats, Budget(max_workers=7, cpus=2), history)
+    assert decision.reason.kind != ReasonKind.DEEPER_PREFETCH and decision.config.prefetch_factor == 1
+
+
 def test_steady_starvation_gets_workers_not_prefetch():
     stats = window(8, 10, stall_fraction=1.0, worker_ms=72, cpu_fraction=0.2)
     decision = decide(cfg(4, 2), stats, ROOMY)
@@ -919,6 +929,20 @@ def test_in_the_band_workers_the_cpus_cannot_carry_are_given_back():
     assert decision.config.num_workers < 7
     # one window is not evidence
     assert decide(cfg(7, 8), stats, Budget(max_workers=7, cpus=2)).config == cfg(7, 8)
+
+
+def test_in_the_band_fewer_workers_must_make_at_their_mean_cost_the_rate_measured():
+    # 7 x 1 CPU-bound workers on 2 CPUs, 86 % busy, their batches spread wide (p95 2.8x the mean, contention's):
+    # the in-order wait makes the model see 21 batches/s where the loop ran 40; against that, 1 worker (23/s,
+    # half the step's need) looked as fast. 1 worker cannot make 40 at its mean cost; 2 can
+    stats = replace(
+        window(3.5, 21.7, stall_fraction=0.1, worker_ms=60.8, cpu_fraction=0.705),
+        main_cpu_fraction=0.14,
+        worker_batch_p95_s=0.173,
+    )
+    history = [record(0, cfg(7, 1), stats, cfg(7, 1))]
+    decision = decide(cfg(7, 1), stats, Budget(max_workers=7, cpus=2), history)
+    assert decision.config == cfg(2, 1), reason_text(decision.reason)
 
 
 def test_in_the_band_a_model_that_cannot_explain_the_window_gives_nothing_back():

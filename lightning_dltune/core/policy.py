@@ -556,9 +556,11 @@ def _deeper_prefetch(case: _Case, starved: dict) -> Optional[_Rule]:
     workers, prefetch = current.num_workers, current.prefetch_factor
     capacity_ratio = model.mean_capacity(workers) / model.demand if workers else 0.0
     # (where the loader cannot say what a batch costs, workers that finish together also leave most fetches a
-    # batch ready: only a loop that waits less than a quarter of its time is taken for bursty then)
+    # batch ready: only a loop that waits less than a quarter of its time is taken for bursty then). Bursts are
+    # stalls: where no fetch found the queue empty, the wait is each batch's hand-over, which no depth shortens
     bursty = (
         workers > 0
+        and stats.stalls > 0
         and stats.stall_fraction < settings.burst_stall_fraction
         and (capacity_ratio >= 1.0 if stats.worker_batch_s is not None else stats.starvation_ratio < _BURSTY_UNKNOWN)
     )
@@ -893,6 +895,7 @@ def _leanest_keeping(case: _Case, prefetch: int, above: bool) -> Optional[tuple[
     workers = current.num_workers
     now = model.throughput(workers)
     keep = 1.0 - settings.min_gain / 2
+    underrated = model.rate > (1.0 + settings.min_gain / 2) * now
     best = max(stats.utilization, case.latest.utilization, case.fit.best_util)
     # the fewer workers are judged at a cost two standard errors above the windows' mean: a lucky pair of windows
     # (production that drifted fast) is not slack
@@ -903,6 +906,12 @@ def _leanest_keeping(case: _Case, prefetch: int, above: bool) -> Optional[tuple[
         kept = cautious.throughput(fewer, candidate.prefetch_factor) / now
         predicted = stats.utilization * kept
         if kept < keep or predicted < keep * best or (above and predicted < settings.band[1] + settings.hysteresis):
+            continue
+        # where the model clearly underrates the current config, a ratio of its throughputs hides that (at 7
+        # workers on 2 CPUs the spread contention put on their batches made it see half the rate the loop ran
+        # at, and 1 worker looked as fast): then never fewer than make, at their mean cost, the rate measured
+        bound = cautious.mean_capacity(fewer) if fewer else cautious.throughput(0)
+        if underrated and bound < keep * model.rate:
             continue
         if case.allowed(candidate) and case.keeps_the_lead(candidate):
             return candidate, predicted
