@@ -59,7 +59,8 @@ How :func:`decide` thinks, first rule that applies wins:
    fewer workers though they came out under busy: nothing up is left to measure there. Workers
    also stop where the last increase gained less than ``min_gain`` although the model (or, for a measured
    step, the delivery) expected at least twice that, or at the budget; memory may cap them. Bursty stalls
-   (most fetches find a batch ready, the workers make enough on average) get deeper prefetch instead. Where
+   (most fetches find a batch ready, some find none, the workers make enough on average) get deeper
+   prefetch instead; a wait without a single stall is each batch's hand-over, which no depth shortens. Where
    prefetched batches are a noticeable share (a quarter) of the memory budget, new workers start at
    prefetch 1: steady starvation needs one batch in flight per worker, and bursts then earn deeper
    prefetch.
@@ -75,7 +76,9 @@ How :func:`decide` thinks, first rule that applies wins:
    slowest batch seen over three times the p95: the mean and the p95 miss it), to a shorter lead than twice
    the slowest batch (the lead: workers x prefetch batches in the loop's time, what absorbs a slow batch),
    and only on two windows' evidence (slack costs CPU and RAM, starving costs throughput; one lucky window
-   of a heavy-tailed cost is not slack). The estimate (1 - starvation) cannot climb past the band where
+   of a heavy-tailed cost is not slack). Where the model clearly underrates the current config (the loop
+   ran faster than it predicts), never fewer workers than make the measured rate at their mean cost.
+   The estimate (1 - starvation) cannot climb past the band where
    every fetch pays a fixed hand-over cost: a queue that never ran dry, fed by workers with twice the
    capacity needed, is slack in the band all the same, and is given back by the throughput it keeps alone
    (not by the band's top, which the estimate cannot reach).
