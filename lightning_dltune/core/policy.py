@@ -72,13 +72,12 @@ How :func:`decide` thinks, first rule that applies wins:
    and, where the queue never ran dry, prefetch back to the default of 2. Never down to a config that was
    starved under today's conditions (until a config at or below it is measured not starved: a first
    window its workers' start starved is no bar once the next ones keep the band), nor to one a step up
-   paid to leave, nor, under a heavy tail (the
-   slowest batch seen over three times the p95: the mean and the p95 miss it), to a shorter lead than twice
-   the slowest batch (the lead: workers x prefetch batches in the loop's time, what absorbs a slow batch),
-   and only on two windows' evidence (slack costs CPU and RAM, starving costs throughput; one lucky window
-   of a heavy-tailed cost is not slack). Where the model clearly underrates the current config (the loop
-   ran faster than it predicts), never fewer workers than make the measured rate at their mean cost.
-   The estimate (1 - starvation) cannot climb past the band where
+   paid to leave, nor, under a heavy tail (the slowest batch seen over three times the p95: the mean and
+   the p95 miss it), to a shorter lead than twice the slowest batch (the lead: workers x prefetch batches
+   in the loop's time, what absorbs a slow batch), and only on two windows' evidence (slack costs CPU and
+   RAM, starving costs throughput; one lucky window of a heavy-tailed cost is not slack). Where the model
+   clearly underrates the current config (the loop ran faster than it predicts), never fewer workers than
+   make the measured rate at their mean cost. The estimate (1 - starvation) cannot climb past the band where
    every fetch pays a fixed hand-over cost: a queue that never ran dry, fed by workers with twice the
    capacity needed, is slack in the band all the same, and is given back by the throughput it keeps alone
    (not by the band's top, which the estimate cannot reach).
