@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import warnings
 
 import lightning.pytorch as pl
@@ -18,7 +19,7 @@ from torch.utils.data import dataloader as torch_dataloader
 
 from lightning_dltune import DataLoaderTuner, LoaderConfig
 from lightning_dltune.loaders.loader import build_loader
-from lightning_dltune.loaders.switch import CONFIRM_AFTER_BATCHES, LoaderSwitch, SwitchState
+from lightning_dltune.loaders.switch import CONFIRM_AFTER_BATCHES, LoaderSwitch, SwitchState, loader_config_of
 from lightning_dltune.loaders.torch_internals import (
     check_torch_internals,
     is_machinery_failure,
@@ -159,6 +160,79 @@ def test_a_pending_switch_drains_the_old_workers_then_runs_the_rest_with_the_new
     switch = LoaderSwitch(loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=1), pending=True)
     seen += [i for b in it for i in b.tolist()]
     assert seen == list(range(40)) and loader.num_workers == 2 and switch.state is SwitchState.STARTED
+
+
+class Stamped(Dataset):
+    """Each sample says which process made it and when it started (the host clock is shared)."""
+
+    def __init__(self, length, seconds, kill_in_new_worker_at=None):
+        self.length, self.seconds, self.kill_at = length, seconds, kill_in_new_worker_at
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        if i == self.kill_at and info is not None and info.num_workers > 1:
+            os.kill(os.getpid(), 9)
+        started = time.monotonic()
+        time.sleep(self.seconds)
+        return torch.tensor([i, os.getpid(), started], dtype=torch.float64)
+
+
+def _switched_after_two(loader, target, wait_s=0.0, **switch_kwargs):
+    """Two batches, then a pending switch to ``target`` (after ``wait_s``); every row, and the old worker's pid."""
+    it = iter(loader)
+    rows = [next(it)[0] for _ in range(2)]
+    time.sleep(wait_s)
+    switch = LoaderSwitch(loader, target, loader_config_of(loader), pending=True, **switch_kwargs)
+    rows += [batch[0] for batch in it]
+    return rows, int(rows[0][1]), switch
+
+
+@pytest.mark.slow  # real worker processes
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_switch_to_more_workers_takes_over_what_the_old_ones_held(persistent):
+    # one worker x prefetch 8 of 40 ms samples: it holds 8 index batches when the switch comes
+    loader = build_loader(Stamped(38, 0.04), LoaderConfig(1, 8, persistent_workers=persistent), batch_size=1)
+    new = LoaderConfig(num_workers=4, prefetch_factor=2, persistent_workers=persistent)
+    rows, old_pid, switch = _switched_after_two(loader, new, take_over=True)
+    assert [int(row[0]) for row in rows] == list(range(38))  # every sample once, in order
+    by_old = [int(row[0]) for row in rows if int(row[1]) == old_pid]
+    # the old worker stopped at the switch: the new workers made what it held (samples 2-9)
+    assert by_old == [0, 1]
+    assert len({int(row[1]) for row in rows if int(row[1]) != old_pid}) == 4 and loader.num_workers == 4
+    with pytest.raises(ProcessLookupError):
+        os.kill(old_pid, 0)
+    assert switch.state is SwitchState.CONFIRMED  # the new workers delivered the 30 batches that confirm them
+    assert [int(b[0][0]) for b in loader] == list(range(38))  # the next epoch, whole, with the new workers
+
+
+@pytest.mark.slow  # real worker processes
+def test_a_new_worker_killed_while_making_what_the_old_ones_held_rolls_back_with_every_sample_once():
+    rolled = []
+    loader = build_loader(Stamped(30, 0.04, kill_in_new_worker_at=5), LoaderConfig(1, 8), batch_size=1)
+    rows, _, switch = _switched_after_two(
+        loader, LoaderConfig(4), take_over=True, on_rollback=lambda s, e: rolled.append(s.target.num_workers)
+    )
+    assert [int(row[0]) for row in rows] == list(range(30))  # what the dead worker held came again, in order
+    assert rolled == [4] and switch.state is SwitchState.ROLLED_BACK and loader.num_workers == 1
+
+
+@pytest.mark.slow  # real worker processes
+def test_a_take_over_waits_for_the_old_workers_where_they_made_what_they_hold():
+    loader = build_loader(Stamped(24, 0.01), LoaderConfig(num_workers=1, prefetch_factor=8), batch_size=1)
+    rows, old_pid, _ = _switched_after_two(loader, LoaderConfig(num_workers=4), wait_s=1.0, take_over=True)
+    assert [int(row[0]) for row in rows] == list(range(24))
+    assert [int(row[0]) for row in rows if int(row[1]) == old_pid] == list(range(10))  # it delivered all 8
+
+
+@pytest.mark.slow  # real worker processes
+def test_without_take_over_the_new_workers_start_once_the_old_ones_delivered_everything():
+    loader = build_loader(Stamped(24, 0.04), LoaderConfig(num_workers=1, prefetch_factor=8), batch_size=1)
+    rows, old_pid, _ = _switched_after_two(loader, LoaderConfig(num_workers=4))
+    assert [int(row[0]) for row in rows] == list(range(24))
+    assert [int(row[0]) for row in rows if int(row[1]) == old_pid] == list(range(10))
 
 
 @pytest.mark.slow

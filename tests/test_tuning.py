@@ -52,20 +52,33 @@ def test_an_io_bound_pipeline_started_without_workers_gets_workers_and_runs_fast
     assert tuner.rebuilds <= 3  # sized by the model, not by doubling (one undo allowed for a noisy window)
 
 
-def test_the_window_after_a_switch_mid_epoch_leaves_out_the_batches_the_old_workers_held(trainer_kwargs):
+def test_more_workers_mid_epoch_take_over_the_batches_the_old_ones_held(trainer_kwargs):
     # 1 worker x prefetch 8 of 40 ms batches against a 10 ms step: the first window asks for more workers at
-    # batch 10; the old worker still holds up to 8 batches, made at its pace. The next window is the new
-    # workers': those batches are left out of it, and so is what the old worker spent making them
+    # batch 10, while the old worker holds up to 8 batches it would make at its starving pace. The new workers
+    # make them instead: nothing is drained, every batch is the new config's, and the loop waits clearly less
     dm = SleepyDataModule(
         train_length=800, val_length=4, batch_cost_s=0.04, batch_size=4, num_workers=1, prefetch_factor=8
     )
     tuner, _ = _fit(trainer_kwargs, dm, step_s=0.01, epochs=1)
     first, second = tuner.history[0], tuner.history[1]
     assert first.end_batch == 10 and second.config.num_workers > 1
-    assert 1 <= second.stats.drained_batches <= 8, second.stats
-    assert second.stats.batches + second.stats.warmup_batches + second.stats.drained_batches == second.end_batch - 10
-    # the new workers' window: the loop waits clearly less than with one worker, as the new workers deliver
+    assert second.stats.drained_batches == 0
+    assert second.stats.batches + second.stats.warmup_batches == second.end_batch - 10
     assert second.stats.starvation_ratio < 0.75 * first.stats.starvation_ratio
+
+
+def test_the_window_after_a_give_back_mid_epoch_leaves_out_the_batches_the_old_workers_held(trainer_kwargs):
+    # 4 workers x prefetch 8 of 5 ms batches against a 20 ms step: slack, given back mid-epoch once confirmed;
+    # the 4 old workers still hold up to 32 batches, which they deliver: those are left out of the next window
+    dm = SleepyDataModule(
+        train_length=2400, val_length=4, batch_cost_s=0.005, batch_size=4, num_workers=4, prefetch_factor=8
+    )
+    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.02, epochs=1)
+    cut = next(i for i, r in enumerate(tuner.history) if r.changed and r.end_batch is not None)
+    before, after = tuner.history[cut], tuner.history[cut + 1]
+    assert after.config.num_workers < before.config.num_workers
+    assert 1 <= after.stats.drained_batches <= 32, after.stats
+    assert after.stats.all_batches == (after.end_batch or 600) - before.end_batch
 
 
 def test_a_step_bound_pipeline_gets_no_extra_workers(trainer_kwargs):

@@ -194,8 +194,9 @@ class TuningRun:
         if not record.changed:
             return
         self.rebuilds += 1
-        if mid_epoch:
-            datamodule.switch_train_loaders(record.next_config, on_failure=self.rolled_back)
+        if mid_epoch:  # more workers take over what the old, too few, hold; otherwise the old ones deliver it
+            take_over = 0 < record.config.num_workers < record.next_config.num_workers
+            datamodule.switch_train_loaders(record.next_config, on_failure=self.rolled_back, take_over=take_over)
         else:
             datamodule.set_loader_config(record.next_config)
 

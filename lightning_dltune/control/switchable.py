@@ -28,8 +28,11 @@ class SwitchableLoaders(Protocol):
     def rebuild_loaders(self, on_failure: Optional[FailureListener] = None) -> int:
         """Rebuild the live loaders with the current config; the number rebuilt."""
 
-    def switch_train_loaders(self, config: LoaderConfig, on_failure: Optional[FailureListener] = None) -> int:
-        """Switch the live training loaders to ``config`` where they stand; the number switched."""
+    def switch_train_loaders(
+        self, config: LoaderConfig, on_failure: Optional[FailureListener] = None, take_over: bool = False
+    ) -> int:
+        """Switch the live training loaders to ``config`` where they stand (``take_over``: the new workers make
+        what the old ones held, rather than wait for them to deliver it); the number switched."""
 
     def has_val_config(self) -> bool:
         """Whether the validation loaders run a config of their own (else they follow the training one)."""

@@ -51,6 +51,7 @@ _ADDED = (
     "_resume",
     "_index_override",
     "_index_recorder",
+    "_drawn_log",
     "_dltune_user",
 )
 

@@ -140,11 +140,15 @@ class LiveLoaders:
             rebuilt += 1
         return rebuilt
 
-    def switch_train_loaders(self, config: LoaderConfig, on_failure: Optional[FailureListener] = None) -> int:
+    def switch_train_loaders(
+        self, config: LoaderConfig, on_failure: Optional[FailureListener] = None, take_over: bool = False
+    ) -> int:
         """Move the live training loaders to ``config`` now, in the middle of an epoch; returns how many.
 
         Each loader stops handing out new work to its workers; once the batches they already hold are
         taken, new workers start on the rest of the epoch's sampler order: no batch is lost or repeated.
+        ``take_over`` (a switch to more workers): the old workers stop now and the new ones make the batches
+        they held first, where the loader knows them and few were made.
         Validation loaders switch at their next iteration. An iterable dataset's loader switches at its
         next epoch (a stream cannot be split).
         """
@@ -160,7 +164,9 @@ class LiveLoaders:
             if self._target_of(loader) is not config:
                 continue  # a validation loader with a config of its own
             if not runs_with(loader, config):
-                self._start_switch(loader, config, self._last_good_config or previous, pending=True)
+                self._start_switch(
+                    loader, config, self._last_good_config or previous, pending=True, take_over=take_over
+                )
                 switched += any(loader is t for t in train)
         return switched
 
@@ -203,7 +209,12 @@ class LiveLoaders:
         return config.replace(num_workers=0)  # the start config: loading in the training process always works
 
     def _start_switch(
-        self, loader: TunedLoader, config: LoaderConfig, fallback: Optional[LoaderConfig], pending: bool
+        self,
+        loader: TunedLoader,
+        config: LoaderConfig,
+        fallback: Optional[LoaderConfig],
+        pending: bool,
+        take_over: bool = False,
     ) -> LoaderSwitch:
         return LoaderSwitch(
             loader,
@@ -213,6 +224,7 @@ class LiveLoaders:
             on_rollback=self._rolled_back,
             on_confirm=self._confirmed,
             multiprocessing_context=self._multiprocessing_context(),
+            take_over=take_over,
         )
 
     def _confirmed(self, switch: LoaderSwitch) -> None:

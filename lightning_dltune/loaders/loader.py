@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.loaders.switch import LoaderSwitch, SwitchState
 from lightning_dltune.loaders.torch_internals import (
+    DrawnLog,
     IndexSamplerHook,
     RestOfEpoch,
     index_sampler_of,
@@ -264,7 +265,10 @@ class _FetchTimingIterator(Iterator):
         switch = self._loader.switch
         recorder = self._loader.fetch_recorder
         if switch is not None and switch.state is SwitchState.PENDING and self._draining is None:
-            if switch.begin_drain(self._it):
+            taken = switch.take_over_from(self._it, self._workers, self._ready()) if self._workers else None
+            if taken is not None:  # the new workers make what the old ones held: their first batch is start-up
+                self._use(taken, time.perf_counter())
+            elif switch.begin_drain(self._it):
                 self._draining = switch
                 if recorder is not None:  # what the old workers hold is the config before's: not measured
                     recorder.record_drain()
@@ -336,6 +340,8 @@ class TunedLoader(IndexSamplerHook):
 
     def __iter__(self) -> Iterator:
         started = time.perf_counter()
+        if self.__dict__.get("_drawn_log") is None:
+            self._drawn_log = DrawnLog()  # what a switch to more workers hands to the new ones
         switch = self.switch
         if switch is not None and switch.state is SwitchState.PENDING:
             switch.start_now()  # a new iteration: the switch needs no draining

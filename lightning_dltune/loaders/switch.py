@@ -4,7 +4,9 @@ A :class:`LoaderSwitch` is the only object that changes a live loader's workers.
 
 - **pending**: asked for in the middle of an iteration; the loader stops handing out new work, and
   once its workers delivered what they hold, new workers take the rest of the epoch (nothing lost
-  or repeated). A loader that cannot be split switches at its next ``iter()``.
+  or repeated). A switch to more workers (``take_over``) stops the old ones at once instead: the new
+  ones make the batches the old ones held first, then the rest. A loader that cannot be split
+  switches at its next ``iter()``.
 - **started**: the loader runs the new config. Until it has delivered ``confirm_after`` batches, a
   failure of the loader machinery (a worker killed, a worker that cannot start, shared memory full,
   a ``timeout``) rolls it back: the workers are stopped, the index batches they held go first to
@@ -28,6 +30,7 @@ from lightning_dltune.loaders.torch_internals import (
     mute_worker_deaths,
     outstanding_tasks,
     record_index_batches,
+    release_iterator,
     set_persistent_workers,
     shutdown_iterator,
     shutdown_workers,
@@ -58,6 +61,11 @@ class LoaderSwitch:
         on_rollback: called as ``on_rollback(switch, exception)`` after a rollback.
         multiprocessing_context: the context to give the loader when it gains workers.
         on_confirm: called as ``on_confirm(switch)`` once the new config is confirmed.
+        take_over: mid-epoch, stop the old workers at once and have the new ones make the batches the old
+            ones held (for a switch to more workers: the old ones are too few, and delivering what they
+            hold would take them that many batches at the pace that starved the loop). Where that is not
+            the quicker (shallow prefetch, most of it made) or the loader does not know those index
+            batches, the old workers deliver them as without it.
     """
 
     def __init__(
@@ -70,8 +78,10 @@ class LoaderSwitch:
         on_rollback: Optional[Callable[[LoaderSwitch, BaseException], None]] = None,
         multiprocessing_context: Any = None,
         on_confirm: Optional[Callable[[LoaderSwitch], None]] = None,
+        take_over: bool = False,
     ) -> None:
         self.loader = loader
+        self.take_over = take_over
         self.target = target
         self.fallback = fallback
         self.confirm_after = confirm_after
@@ -97,6 +107,31 @@ class LoaderSwitch:
             return False  # new workers would replay the stream: switch at the next iter()
         self._rest = take_sampler_rest(iterator)
         return self._rest is not None
+
+    def take_over_from(self, iterator: Iterator, workers: int, ready: int) -> Optional[Iterator]:
+        """Pending, mid-iteration, ``take_over``: stop the ``workers`` of ``iterator`` now; a torch iterator of
+        ``target`` over the index batches they held (in the order drawn), then the rest of the epoch.
+
+        Taken where it is the quicker: the old workers would need ``(held - ready) / workers`` batch times
+        to deliver what they hold (``ready``: made and not yet taken), the new ones one batch time at most
+        to see the old ones stop (each ends the batch it is making) and ``held / new workers`` to make it
+        all again. ``None``, and nothing done: not quicker, a stream, an iterator that cannot be split,
+        held index batches the loader did not keep, or ``ready`` unknown (``-1``).
+        """
+        if not self.take_over or self._is_stream() or ready < 0 or workers <= 0:
+            return None
+        tasks = outstanding_tasks(iterator)
+        log = getattr(self.loader, "_drawn_log", None)
+        held = log.held(tasks) if tasks is not None and log is not None else None
+        if held is None or (len(held) - ready) / workers <= 1 + len(held) / max(self.target.num_workers, 1):
+            return None
+        rest = take_sampler_rest(iterator)
+        if rest is None:
+            return None
+        release_iterator(self.loader, iterator)
+        shutdown_iterator(iterator)  # the batches they made and the loop did not take are made again
+        self._rest = itertools.chain(held, rest)
+        return self.start_rest()
 
     def start_rest(self) -> Iterator:
         """The old workers delivered all they held: a torch iterator of ``target`` over the rest."""

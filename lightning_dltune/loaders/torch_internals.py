@@ -10,7 +10,8 @@ What this module relies on (torch 2.1 to 2.13):
 
 - ``DataLoader._index_sampler`` (property) is what an iterator draws index batches from; the iterator
   keeps it as ``_index_sampler`` and iterates it in ``_reset`` into ``_sampler_iter``.
-- ``_MultiProcessingDataLoaderIter._task_info`` maps each task not yet yielded to its worker;
+- ``_MultiProcessingDataLoaderIter._task_info`` maps each task not yet yielded to its worker (tasks are
+  numbered from 0 in the order an iteration draws its index batches, each ``_reset`` anew);
   ``_shutdown_workers()`` stops the workers; ``DataLoader._iterator`` holds persistent workers.
 - ``DataLoader.persistent_workers`` may not be set after ``__init__`` (torch forbids it), but is only
   read when an iterator is created.
@@ -29,6 +30,7 @@ import itertools
 import os
 import re
 import time
+from collections import deque
 from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
 
 import torch
@@ -194,6 +196,46 @@ class RecordingIndexSampler:
         return len(self.sampler)
 
 
+class _Drawn:
+    __slots__ = ("batches", "count")
+
+    def __init__(self, keep: int) -> None:
+        self.batches: deque = deque(maxlen=keep)
+        self.count = 0
+
+
+class DrawnLog:
+    """The latest index batches a loader's current iteration drew, by task number (see ``_task_info``).
+
+    A recorder for :class:`RecordingIndexSampler`, kept on a loader as ``_drawn_log``: each iteration
+    (an iterator's start or ``_reset``) starts a log of its own; the ``keep`` latest batches are kept
+    (references to index lists the sampler made anyway: one append per batch).
+    """
+
+    def __init__(self, keep: int = 1024) -> None:
+        self._keep = keep
+        self._current = _Drawn(keep)
+
+    def record(self, index_batches: Iterator) -> Iterator:
+        drawn = self._current = _Drawn(self._keep)
+
+        def recording() -> Iterator:
+            for batch in index_batches:
+                drawn.batches.append(batch)
+                drawn.count += 1
+                yield batch
+
+        return recording()
+
+    def held(self, tasks: list[int]) -> Optional[list]:
+        """The index batches of the current iteration's ``tasks`` (task numbers); ``None`` where one is not kept."""
+        drawn = self._current
+        first = drawn.count - len(drawn.batches)
+        if tasks and (tasks[0] < first or tasks[-1] >= drawn.count):
+            return None
+        return [drawn.batches[t - first] for t in tasks]
+
+
 def record_index_batches(loader: DataLoader, recorder: Any) -> None:
     """From the loader's next iterator on, ``recorder.record(batches)`` sees its index batches; ``None``: off."""
     loader._index_recorder = recorder  # type: ignore[attr-defined]
@@ -231,6 +273,7 @@ class IndexSamplerHook(Generic[_T]):
 
     _index_override: Any = None
     _index_recorder: Any = None
+    _drawn_log: Optional[DrawnLog] = None  # the latest index batches of the current iteration, where kept
     order_state: Optional[dict] = None  # what replays the current epoch's order (see EpochOrder)
 
     @property
@@ -238,6 +281,9 @@ class IndexSamplerHook(Generic[_T]):
         base = self.__dict__.get("_index_override")
         if base is None:
             base = EpochOrder(_BASE_INDEX_SAMPLER.fget(self), self)  # type: ignore[union-attr]
+        log = self.__dict__.get("_drawn_log")
+        if log is not None:
+            base = RecordingIndexSampler(base, log)
         recorder = self.__dict__.get("_index_recorder")
         return base if recorder is None else RecordingIndexSampler(base, recorder)
 
@@ -295,6 +341,12 @@ def shutdown_workers(loader: DataLoader) -> None:
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None:
         shutdown_iterator(iterator)
+        loader._iterator = None
+
+
+def release_iterator(loader: DataLoader, iterator: Iterator) -> None:
+    """``iterator`` is no longer ``loader``'s persistent one (the next ``iter()`` starts new workers)."""
+    if getattr(loader, "_iterator", None) is iterator:
         loader._iterator = None
 
 
