@@ -35,7 +35,6 @@ _FALLING = 0.67  # the last third of the settled steps this much faster than the
 _MOST_SETTLING = 4  # a window whose pace still falls goes on to at most this many times its planned length
 LOOK_FRACTION = 0.2  # a long window looks for new conditions every this share of ``window_batches`` ...
 LOOK_FEWEST = CONFIRM_BATCHES  # ... and at least this many batches apart (a look tells what a confirmation would)
-LOOK_PARTS = 12  # ... and no more looks than this in a window's planned length (its time: a quarter of 3 s)
 
 
 def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:
@@ -135,20 +134,15 @@ class WindowSchedule:
 
     @property
     def look_every(self) -> int:
-        """Batches between a long window's looks: a fifth of ``window_batches``, at least :data:`LOOK_FEWEST`,
-        and at least a twelfth of the window's planned length (a quarter second at the default ``window_seconds``).
+        """Batches between a long window's looks: a fifth of ``window_batches``, at least :data:`LOOK_FEWEST`.
 
         A slowdown inside a long window shows once the window's mean moved. Looking every half
         ``window_batches`` (25 at the default) saw storage 3x slower at an epoch start at batch 25,
         half of a 48-batch epoch at the old pace; looking every 10 sees it at batch 10. A look weighs its
         fewer batches' noise (see ``detect_shift(part=True)``), so looking more often did not make the
-        simulated heavy-tailed or noisy pipelines churn; but 10 sub-millisecond steps are milliseconds of
-        the machine's noise, which a look read as new conditions: a look spans a share of the window's
-        time too (the planned length is ``window_seconds`` at the last window's pace).
+        simulated heavy-tailed or noisy pipelines churn.
         """
-        return max(
-            LOOK_FEWEST, math.ceil(LOOK_FRACTION * self.window_batches), math.ceil(self.next_length / LOOK_PARTS)
-        )
+        return max(LOOK_FEWEST, math.ceil(LOOK_FRACTION * self.window_batches))
 
     def looked(self, batch_idx: int) -> None:
         """The look at ``batch_idx`` found the same conditions: the next one, if the window goes on that long."""
