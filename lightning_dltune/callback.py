@@ -163,7 +163,7 @@ class DataLoaderTuner(Callback):
         first_decision_after: the fit's first window closes after this many batches (the start config is
             judged early, and the loaders switch right away); ``0``: the first window is a regular one.
         window_batches: fewest batches in a window. The default suits a ~100 ms accelerator step: 50
-            batches, 5 s, about 30 NVML samples. A window also looks for new conditions every fifth of
+            batches, 5 s, about 30 NVML samples. A window also looks for new conditions every half
             ``window_batches`` batches (at least 10) and closes there when it finds them.
         window_seconds: shortest window, in seconds at the last window's pace (fast steps get more
             batches per window, so that a window averages over noise and NVML samples); ``0``: batches only.

@@ -43,15 +43,15 @@ def test_where_the_loaders_cannot_switch_or_ranks_may_not_meet_windows_close_at_
     assert (schedule.end, schedule.look) == (NO_BATCH, NO_BATCH)
 
 
-def test_a_long_window_looks_for_new_conditions_every_fifth_of_window_batches():
-    schedule = WindowSchedule(window_batches=100, window_seconds=3.0)
+def test_a_long_window_looks_for_new_conditions_every_half_window_batches():
+    schedule = WindowSchedule(window_batches=50, window_seconds=3.0)
     schedule.next_length = schedule.length_after(paced(0.020))  # 150 batches
     schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
-    assert (schedule.end, schedule.look) == (349, 219)
-    for look in range(219, 329, 20):
+    assert (schedule.end, schedule.look) == (349, 224)
+    for look in (224, 249, 274, 299):
         schedule.looked(look)
-        assert schedule.look == look + 20
-    schedule.looked(339)
+        assert schedule.look == look + 25
+    schedule.looked(324)
     assert schedule.look == NO_BATCH  # the next look would be the close itself
     schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=False)
     assert schedule.look == NO_BATCH  # monitoring only: nothing to act on early
@@ -72,8 +72,8 @@ def test_looks_are_at_least_ten_batches_apart_and_reach_a_window_the_epoch_end_c
     schedule.next_length = schedule.length_after(paced(0.020))  # 150 batches
     schedule.open(0, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
     assert schedule.look == 9  # not every 5: a look tells what a confirming window would, on as many batches
-    # an epoch of 48 batches, a window planned longer: it closes at the epoch end and looks from batch 10
+    # an epoch of 48 batches, a window planned longer: it closes at the epoch end and looks half-way
     schedule = WindowSchedule(window_batches=50, window_seconds=3.0)
     schedule.next_length = schedule.length_after(paced(0.020))
     schedule.open(0, epoch_batches=48, mid_epoch=True, seen=True, looks=True)
-    assert (schedule.end, schedule.look) == (NO_BATCH, 9)
+    assert (schedule.end, schedule.look) == (NO_BATCH, 24)

@@ -33,7 +33,7 @@ WARMUP_FACTOR = 1.5  # a step this much slower than the window's settled pace is
 WARMUP_FLOOR_S = 0.005  # ... and at least this much slower (a few ms of noise on a sub-ms step is not warm-up)
 _FALLING = 0.67  # the last third of the settled steps this much faster than their first third: the pace still falls
 _MOST_SETTLING = 4  # a window whose pace still falls goes on to at most this many times its planned length
-LOOK_FRACTION = 0.2  # a long window looks for new conditions every this share of ``window_batches`` ...
+LOOK_FRACTION = 0.5  # a long window looks for new conditions every this share of ``window_batches`` ...
 LOOK_FEWEST = CONFIRM_BATCHES  # ... and at least this many batches apart (a look tells what a confirmation would)
 
 
@@ -117,14 +117,13 @@ class WindowSchedule:
             mid_epoch: whether it may close before the epoch end (every rank reaches the batch, and the
                 loaders can switch there).
             seen: whether the fit already closed a window (else this is the first, ``first_batches`` long).
-            looks: whether a window longer than twice :attr:`look_every` looks for new conditions every
-                :attr:`look_every` batches.
+            looks: whether a long window looks for new conditions every :attr:`look_every` batches.
         """
         self.end = self.look = NO_BATCH
         if not mid_epoch:
             return
         length = self.next_length
-        if looks and seen and length > 2 * self.look_every:  # a short (confirming) window is all one look
+        if looks and seen and length > self.look_every:
             self.look = first_batch + self.look_every - 1
         end = first_batch + length - 1
         tail = math.ceil(length / 2) if seen else length  # the first window: an epoch at least twice as long
@@ -134,13 +133,11 @@ class WindowSchedule:
 
     @property
     def look_every(self) -> int:
-        """Batches between a long window's looks: a fifth of ``window_batches``, at least :data:`LOOK_FEWEST`.
+        """Batches between a long window's looks: half ``window_batches``, at least :data:`LOOK_FEWEST`.
 
-        A slowdown inside a long window shows once the window's mean moved. Looking every half
-        ``window_batches`` (25 at the default) saw storage 3x slower at an epoch start at batch 25,
-        half of a 48-batch epoch at the old pace; looking every 10 sees it at batch 10. A look weighs its
-        fewer batches' noise (see ``detect_shift(part=True)``), so looking more often did not make the
-        simulated heavy-tailed or noisy pipelines churn.
+        A slowdown inside a long window shows once the window's mean moved: looking every half
+        ``window_batches`` saw storage 3x slower 20 batches after it came, where looking every
+        ``window_batches`` saw it 25-54 batches after (one long epoch, from 2 workers).
         """
         return max(LOOK_FEWEST, math.ceil(LOOK_FRACTION * self.window_batches))
 
