@@ -128,7 +128,10 @@ def check_val_once(model: SleepStepModule, runs: int, length: int = VAL) -> None
 
 
 def check_tuned(trainer: pl.Trainer, tuner: DataLoaderTuner) -> None:
-    assert tuner.history and tuner.history[0].starvation_ratio > 0.3  # the start was starved
+    # the start was seen starved: by the 4-batch first window, or, where that one held a slow first step
+    # (too few steps to leave warm-up out; bf16's first step on a busy machine), by the epoch's next window
+    start = [r for r in tuner.history if r.num_workers == tuner.history[0].num_workers == 0]
+    assert any(r.starvation_ratio > 0.3 for r in start)
     assert max(r.num_workers for r in tuner.history) > 0  # and the tuner added workers
     assert {"dltune/starvation_ratio", "dltune/gpu_util", "dltune/num_workers"} <= logged_metrics(trainer)
 
