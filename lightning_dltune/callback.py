@@ -156,7 +156,7 @@ class DataLoaderTuner(Callback):
         memory_fraction: share of available RAM (and cgroup headroom) prefetched batches may hold.
         shm_fraction: share of free ``/dev/shm`` prefetched batches may hold.
         max_rebuilds: most config changes in one fit under the same conditions (new conditions, such as
-            slower storage, start a new count).
+            slower storage, start a new count), among its latest 256 windows (what a decision replays).
         min_gain: relative throughput gain that makes a change worth keeping.
         max_prefetch_factor: deepest prefetch the tuner picks.
         nvml_poll_interval_s: seconds between NVML reads during training.

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from pipeline_sim import Pipeline, simulate
 
 from lightning_dltune.core.config import LoaderConfig
+from lightning_dltune.core.history import REPLAYED_WINDOWS
 from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, PolicySettings, ReasonKind, Verdict, WindowRecord
 from lightning_dltune.report.words import reason_text
@@ -302,6 +303,22 @@ def test_a_transient_cpu_hog_does_not_leave_a_worse_config(data, start, cores, s
     assert steady_in_band(pipeline, after, cores) or rate_after >= (1 - DEFAULTS.min_gain) * rate_before, (
         before.short(), after.short(), round(rate_after / rate_before, 3), show(records, schedule),
     )
+
+
+@pytest.mark.slow  # 300 windows: ~4 s on 2 cores
+def test_a_decision_late_in_a_long_fit_replays_only_its_latest_windows():
+    # a decision's cost must not grow with the fit (benchmarks/decision_cost.py: 13 ms at 255 windows and at
+    # 2000); what it decides on a long fit is what it decides on that fit's latest REPLAYED_WINDOWS windows
+    pipeline = Pipeline(cpu_s=0.004, io_s=0.060, step_s=0.020, noise=NOISE, step_jitter=STEP_JITTER)
+    budget = Budget(max_workers=16, cpus=8.0)
+    records = run_windows(Schedule(((0, pipeline),)), LoaderConfig(num_workers=0), budget, 8, windows=REPLAYED_WINDOWS + 44)
+    for now in (REPLAYED_WINDOWS + 10, len(records) - 1):
+        record = records[now]
+        latest = records[now + 1 - REPLAYED_WINDOWS : now]
+        assert decide(record.config, record.stats, budget, records[:now]) == decide(
+            record.config, record.stats, budget, latest
+        )
+        assert decide(record.config, record.stats, budget, records[:now]).config == record.next_config
 
 
 def test_a_busy_two_core_host_does_not_lock_in_zero_workers():

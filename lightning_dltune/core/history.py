@@ -36,6 +36,10 @@ SHIFT_FELT = 0.05  # a cost's move, shared among the workers, is at least this s
 PARTIAL_MOVE = 2 / 3  # a shift's first window that moved less than this of the second's way holds the change inside it
 CONFIRM_BATCHES = 10  # a window that confirms a suspected shift holds at least this many batches
 _Z95 = 1.6449  # a normal's p95, in standard deviations
+REPLAYED_WINDOWS = 256  # a decision replays the fit's latest this-many windows: its cost stays bounded in a long
+# fit (a few ms), where replaying every window grew with the fit (20 ms at 400 windows, 100+ at 2000). At the
+# defaults (3-5 s a window) that is the last 15-20 minutes: older undos and ceilings expire, the rebuild cap
+# counts the changes in them
 CONTENTION_STEP = 0.25  # a step this much slower than before a change: the machine got busier (or our workers
 # take the training process's CPU); the change is measured again before it is judged
 
@@ -149,7 +153,9 @@ _Window = tuple[LoaderConfig, WindowStats, Optional[LoaderConfig]]  # a window's
 def recall(
     history: Sequence[WindowRecord], current: LoaderConfig, stats: WindowStats, budget: Budget, settings: PolicySettings
 ) -> FitHistory:
-    """Replay ``history`` plus the window just measured (``current``, ``stats``)."""
+    """Replay ``history`` plus the window just measured (``current``, ``stats``): its latest
+    :data:`REPLAYED_WINDOWS` windows, the older ones are not remembered."""
+    history = history[len(history) - min(len(history), REPLAYED_WINDOWS - 1) :]
     windows = [(r.config, r.stats, r.next_config) for r in history] + [(current, stats, None)]
     replay = _Replay(windows, budget, settings)
     for i in range(len(windows)):
@@ -400,7 +406,7 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int, p
             continue
         costed = costed or name == "batch time"
         mean = sum(values) / len(values)
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        spread = _stdev(values)
         absolute = name == "starvation"  # a share: it moves by points (from 0, too); costs move by their share
         if not absolute and mean <= 0:
             continue
@@ -461,7 +467,7 @@ def confirm_batches(prior: Sequence[WindowStats], new: WindowStats, shift: Shift
     if move <= 0 or len(known) < 2:
         return new.batches
     values = [v for v, _ in known]
-    per_batch = statistics.stdev(values) * math.sqrt(sum(w.batches for _, w in known) / len(known))
+    per_batch = _stdev(values) * math.sqrt(sum(w.batches for _, w in known) / len(known))
     per_batch = max(per_batch, max(_spread_per_batch(w, shift.signal, workers) for _, w in known))
     if shift.signal != "starvation" and shift.before > 0:
         per_batch *= max(1.0, shift.now / shift.before)
@@ -696,10 +702,16 @@ def _cost_error(windows: Sequence[WindowStats], workers: int) -> float:
     return _standard_error(values) / mean if mean > 0 else 0.0
 
 
-def _standard_error(values: Sequence[float]) -> float:
-    """Standard error of the mean of ``values`` (0 for fewer than two)."""
+def _stdev(values: Sequence[float]) -> float:
+    """Sample standard deviation of ``values`` (0 for fewer than two), in floats: ``statistics.stdev``'s exact
+    fractions cost a replay of a few hundred windows most of its time."""
     n = len(values)
     if n < 2:
         return 0.0
     mean = sum(values) / n
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    return math.sqrt(max(0.0, sum((v - mean) ** 2 for v in values) / (n - 1)))
+
+
+def _standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean of ``values`` (0 for fewer than two)."""
+    return _stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0

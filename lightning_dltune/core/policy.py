@@ -27,8 +27,11 @@ How :func:`decide` thinks, first rule that applies wins:
    change is answered in about one window. Two in a row that agree are new conditions (storage slowed,
    a neighbour took the CPUs): what was learned before them (pooled windows, undone configs, worker
    and prefetch ceilings, the rebuild count) is dropped (:func:`~lightning_dltune.core.history.recall`)
-   and the rules below judge the new windows alone.
-3. **Rebuild cap.** After ``max_rebuilds`` changes under the same conditions, nothing changes any more.
+   and the rules below judge the new windows alone. The replay covers the fit's latest 256 windows
+   (``REPLAYED_WINDOWS``), so that a decision costs the same late in a long fit as early: older ones are
+   forgotten as new conditions would forget them.
+3. **Rebuild cap.** After ``max_rebuilds`` changes under the same conditions (in those 256 windows),
+   nothing changes any more.
 4. **Judge the last change, on two windows.** More workers or deeper prefetch that lowered throughput
    by more than ``min_gain``, or a give-back that left the loop starved below the band or clearly cost
    speed (utilization down by more than ``min_gain`` and the hysteresis: the step drifts on its own,
