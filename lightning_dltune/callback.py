@@ -77,11 +77,11 @@ class DataLoaderTuner(Callback):
     ``next()`` on the train loader; never validation, checkpointing or logging) and the **step time**
     (``on_train_batch_start`` to ``on_train_batch_end``). Batches are measured in **windows** of at
     least ``window_batches`` batches and ``window_seconds`` seconds (the fit's first window: the first
-    ``first_decision_after`` batches). A window closes anywhere in an epoch, and at every epoch end:
-    the callback reduces it across ranks, logs it, and asks the band policy for the next loader config;
-    the training loaders switch to it right there (no batch lost or repeated; validation loaders follow
-    at their next run). Under DDP every rank closes the same window at the same batch index and applies
-    the same config.
+    ``first_decision_after`` batches, or 6 from 0 workers plainly starved). A window closes anywhere in an
+    epoch, and at every epoch end: the callback reduces it across ranks, logs it, and asks the band policy
+    for the next loader config; the training loaders switch to it right there (no batch lost or repeated;
+    validation loaders follow at their next run). Under DDP every rank closes the same window at the same
+    batch index and applies the same config.
 
     The loaders tuned are the fit's own, wherever they come from: a
     :class:`~lightning_dltune.TunableDataModule`, or the project's ``DataLoader`` objects from its
@@ -162,6 +162,8 @@ class DataLoaderTuner(Callback):
         nvml_poll_interval_s: seconds between NVML reads during training.
         first_decision_after: the fit's first window closes after this many batches (the start config is
             judged early, and the loaders switch right away); ``0``: the first window is a regular one.
+            From 0 workers a longer one already closes after 6 where the loop waited for its batches
+            longer than it computed (and the steps settled).
         window_batches: fewest batches in a window. The default suits a ~100 ms accelerator step: 50
             batches, 5 s, about 30 NVML samples. A window also looks for new conditions every half
             ``window_batches`` batches (at least 10) and closes there when it finds them.
@@ -515,8 +517,8 @@ class DataLoaderTuner(Callback):
         windows = self._run.windows
         if batch_idx == windows.end:
             self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
-        elif batch_idx == windows.look:  # part-way through a long window: close it now if conditions changed
-            if self._run.shifted(self._probe.config, self._job_stats(trainer, pl_module)):
+        elif batch_idx == windows.look:  # part-way through a window: close it now if there is enough to judge
+            if self._run.closes_at_look(self._probe.config, self._job_stats(trainer, pl_module)):
                 self._close_window(trainer, pl_module, end_batch=batch_idx + 1)
             else:
                 self._run.looked(batch_idx)

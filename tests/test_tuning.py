@@ -43,13 +43,25 @@ def test_an_io_bound_pipeline_started_without_workers_gets_workers_and_runs_fast
     first, third = tuner.history[0], _epoch(tuner, 3)
     assert first.num_workers == 0 and first.starvation_ratio > 0.5
     assert first.verdict == "data-bound (I/O)"
-    assert first.end_batch == 10  # decided early in epoch 0, and switched right away
+    # decided at the first window's early look (6 batches: the loop made its own batches and waited for them
+    # most of its time), and switched right away
+    assert first.end_batch == 6
     # sleeping workers need no CPU, so more of them help even on a busy machine: by epoch 3 the loop waits
     # clearly less and runs at least 1.5x as fast (about 4x, starved under 15 %, on an idle machine)
     assert third.num_workers >= 2
     assert third.starvation_ratio <= first.starvation_ratio - 0.1
     assert third.samples_per_s >= 1.5 * first.samples_per_s
     assert tuner.rebuilds <= 3  # sized by the model, not by doubling (one undo allowed for a noisy window)
+
+
+def test_a_start_at_0_workers_less_than_half_starved_keeps_the_whole_first_window(trainer_kwargs):
+    # 4 ms of storage latency per batch against a 10 ms step: about 70 % busy, below the band but not
+    # plainly starved, so the early look at batch 6 leaves the first window its 10 batches
+    dm = SleepyDataModule(train_length=240, val_length=4, batch_cost_s=0.004, batch_size=4, num_workers=0)
+    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.01, epochs=1)
+    first = tuner.history[0]
+    assert first.num_workers == 0 and 0.05 < first.starvation_ratio < 0.5
+    assert first.end_batch == 10
 
 
 def test_more_workers_mid_epoch_take_over_the_batches_the_old_ones_held(trainer_kwargs):

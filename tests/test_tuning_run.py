@@ -94,9 +94,17 @@ def test_new_conditions_are_seen_against_the_same_configs_windows():
     datamodule.set_loader_config(config)
     for step in (50, 100, 150):
         run.close_window(config, window(0.5, 20, worker_ms=60), BUDGET, epoch=0, global_step=step)
-    assert not run.shifted(config, window(0.5, 20, worker_ms=60))
-    assert run.shifted(config, window(30, 20, worker_ms=200))  # storage three times slower
-    assert not run.shifted(LoaderConfig(num_workers=2), window(30, 20, worker_ms=200))  # no earlier windows
+    assert not run.closes_at_look(config, window(0.5, 20, worker_ms=60))
+    assert run.closes_at_look(config, window(30, 20, worker_ms=200))  # storage three times slower
+    assert not run.closes_at_look(LoaderConfig(num_workers=2), window(30, 20, worker_ms=200))  # no earlier windows
+
+
+def test_the_fits_first_window_closes_at_its_early_look_only_where_0_workers_starve_plainly():
+    run, _ = starved_run()
+    starved = window(60, 20)  # the loop waits 60 ms a batch for a 20 ms step
+    assert run.closes_at_look(LoaderConfig(num_workers=0), starved)
+    assert not run.closes_at_look(LoaderConfig(num_workers=2), starved)
+    assert not run.closes_at_look(LoaderConfig(num_workers=0), window(5, 20))
 
 
 def test_a_rolled_back_switch_caps_the_workers_tells_the_listener_and_is_saved():

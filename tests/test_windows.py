@@ -3,7 +3,7 @@
 import math
 
 from lightning_dltune.core.stats import WindowStats
-from lightning_dltune.core.windows import NO_BATCH, WindowSchedule
+from lightning_dltune.core.windows import NO_BATCH, WindowSchedule, starved_start
 
 
 def paced(per_batch_s: float, batches: int = 50) -> WindowStats:
@@ -18,6 +18,39 @@ def test_the_fits_first_window_is_short_and_needs_an_epoch_twice_as_long():
     assert schedule.end == 9
     schedule.open(0, epoch_batches=19, mid_epoch=True, seen=False)
     assert schedule.end == NO_BATCH  # the epoch end closes it
+
+
+def test_the_fits_first_window_looks_once_after_six_batches():
+    schedule = WindowSchedule(window_batches=50, window_seconds=3.0, first_batches=10)
+    schedule.open(0, epoch_batches=900, mid_epoch=True, seen=False, looks=True)
+    assert (schedule.end, schedule.look) == (9, 5)
+    schedule.looked(5)
+    assert schedule.look == NO_BATCH  # one early look: the next would be past the close
+    schedule.open(0, epoch_batches=900, mid_epoch=True, seen=False, looks=False)
+    assert schedule.look == NO_BATCH  # monitoring only
+    short = WindowSchedule(window_batches=50, window_seconds=3.0, first_batches=6)
+    short.open(0, epoch_batches=900, mid_epoch=True, seen=False, looks=True)
+    assert (short.end, short.look) == (5, NO_BATCH)  # no shorter than it is already
+
+
+def starting(fetch_ms: float, step_ms: float = 20.0, batches: int = 6, **kwargs) -> WindowStats:
+    return WindowStats(
+        batches=batches,
+        samples=32 * batches,
+        fetch_wait_total_s=fetch_ms / 1000 * batches,
+        step_total_s=step_ms / 1000 * batches,
+        fetches=batches,
+        **kwargs,
+    )
+
+
+def test_only_a_plainly_starved_start_at_0_workers_is_judged_at_the_early_look():
+    assert starved_start(starting(fetch_ms=60), num_workers=0)  # 75 % starved: the loop makes its batches
+    assert starved_start(starting(fetch_ms=20), num_workers=0)  # half its time waiting
+    assert not starved_start(starting(fetch_ms=8), num_workers=0)  # 71 % busy: the regular first window
+    assert not starved_start(starting(fetch_ms=60), num_workers=2)  # workers: their start-up and queue fill
+    assert not starved_start(starting(fetch_ms=60, settling=1), num_workers=0)  # the steps still fall
+    assert not starved_start(starting(fetch_ms=60, batches=3, warmup_batches=3), num_workers=0)  # mostly warm-up
 
 
 def test_a_window_is_window_seconds_at_the_last_pace_but_never_under_window_batches():

@@ -26,7 +26,7 @@ from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, Decision, PolicySettings, WindowRecord
 from lightning_dltune.core.stats import WindowStats
 from lightning_dltune.core.val_start import first_val_config
-from lightning_dltune.core.windows import WindowSchedule
+from lightning_dltune.core.windows import WindowSchedule, starved_start
 
 Broadcast = Callable[[Any], Any]
 """Rank zero's object on every rank (``trainer.strategy.broadcast``); the identity with one process."""
@@ -92,10 +92,14 @@ class TuningRun:
         mid_epoch = (math.isfinite(epoch_batches) or world_size == 1) and (not self.tuning or switchable)
         self.windows.open(first_batch, epoch_batches, mid_epoch, seen=bool(self.history), looks=self.tuning)
 
-    def shifted(self, config: Optional[LoaderConfig], stats: WindowStats) -> bool:
-        """Whether the open window so far shows new conditions against ``config``'s earlier windows."""
+    def closes_at_look(self, config: Optional[LoaderConfig], stats: WindowStats) -> bool:
+        """Whether the open window closes at this look: the fit's first starves plainly at 0 workers
+        (:func:`~lightning_dltune.core.windows.starved_start`), a later one shows new conditions against
+        ``config``'s earlier windows."""
         if config is None or not stats.fetches:
             return False
+        if not self.history:
+            return starved_start(stats, config.num_workers)
         prior = same_conditions(self.history, config)
         return bool(prior) and detect_shift(prior, stats, config.num_workers, part=True) is not None
 

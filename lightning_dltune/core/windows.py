@@ -4,8 +4,10 @@ A window holds at least ``window_batches`` batches and ``window_seconds`` second
 pace; the fit's first one is shorter (``first_batches``: judge the start config early). Windows close
 anywhere in an epoch and at every epoch end; an epoch's last window takes the tail when the tail would
 be shorter than half a window. A window longer than half ``window_batches`` (and 10 batches) also
-*looks* that often (the callback closes it early there when conditions changed). A window that only
-confirms a suspected change is as short as the decision says is enough (``length_after``).
+*looks* that often (the callback closes it early there when conditions changed); the fit's first window
+looks once, after :data:`EARLY_LOOK_BATCHES`, and closes there where the start config starves plainly
+(:func:`starved_start`). A window that only confirms a suspected change is as short as the decision
+says is enough (``length_after``).
 
 Every input is the same on every DDP rank (the epoch's length, the broadcast length of the next
 window), so every rank closes the same window at the same batch index.
@@ -35,6 +37,9 @@ _FALLING = 0.67  # the last third of the settled steps this much faster than the
 _MOST_SETTLING = 4  # a window whose pace still falls goes on to at most this many times its planned length
 LOOK_FRACTION = 0.5  # a long window looks for new conditions every this share of ``window_batches`` ...
 LOOK_FEWEST = CONFIRM_BATCHES  # ... and at least this many batches apart (a look tells what a confirmation would)
+EARLY_LOOK_BATCHES = 6  # the fit's first window looks after this many batches (the warm-up rule's fewest steps) ...
+EARLY_STARVATION = 0.5  # ... and closes there from 0 workers where the loop waited at least this share of its time
+_EARLY_FEWEST = 4  # ... on at least this many batches after the warm-up
 
 
 def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:
@@ -65,6 +70,24 @@ def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:
         return k, k > n // 2
     early, late = statistics.median_high(rest[:part]), statistics.median_high(rest[-part:])
     return k, k > n // 2 or (late < _FALLING * early and early - late > WARMUP_FLOOR_S)
+
+
+def starved_start(stats: WindowStats, num_workers: int) -> bool:
+    """Whether the fit's first window is judged at its early look (after :data:`EARLY_LOOK_BATCHES`).
+
+    Only at 0 workers: the loop makes every batch itself, so each fetch wait is one batch's making, with no
+    queue to fill and no workers to start; a few batches tell it as well as ten. The window must have
+    settled (at least :data:`_EARLY_FEWEST` batches after its warm-up, the step time no longer falling)
+    and the loop waited at least :data:`EARLY_STARVATION` of its time for data (it waited longer than it
+    computed, far below any band). From 0 workers at 28 % busy (the README's demo) that is 4 batches of
+    making them in the training process fewer than the regular first window's 10.
+    """
+    return (
+        num_workers == 0
+        and not stats.settling
+        and stats.batches >= _EARLY_FEWEST
+        and stats.starvation_ratio >= EARLY_STARVATION
+    )
 
 
 @dataclass
@@ -117,7 +140,8 @@ class WindowSchedule:
             mid_epoch: whether it may close before the epoch end (every rank reaches the batch, and the
                 loaders can switch there).
             seen: whether the fit already closed a window (else this is the first, ``first_batches`` long).
-            looks: whether a long window looks for new conditions every :attr:`look_every` batches.
+            looks: whether a long window looks for new conditions every :attr:`look_every` batches (the
+                fit's first one, at least :data:`EARLY_LOOK_BATCHES` long, once after that many).
         """
         self.end = self.look = NO_BATCH
         if not mid_epoch:
@@ -125,6 +149,8 @@ class WindowSchedule:
         length = self.next_length
         if looks and seen and length > self.look_every:
             self.look = first_batch + self.look_every - 1
+        elif looks and not seen and length > EARLY_LOOK_BATCHES:
+            self.look = first_batch + EARLY_LOOK_BATCHES - 1
         end = first_batch + length - 1
         tail = math.ceil(length / 2) if seen else length  # the first window: an epoch at least twice as long
         if math.isfinite(epoch_batches) and epoch_batches - (end + 1) < tail:
