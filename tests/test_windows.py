@@ -31,6 +31,8 @@ def test_the_fits_first_window_looks_once_after_six_batches():
     short = WindowSchedule(window_batches=50, window_seconds=3.0, first_batches=6)
     short.open(0, epoch_batches=900, mid_epoch=True, seen=False, looks=True)
     assert (short.end, short.look) == (5, NO_BATCH)  # no shorter than it is already
+    schedule.open(0, epoch_batches=19, mid_epoch=True, seen=False, looks=True)
+    assert (schedule.end, schedule.look) == (NO_BATCH, NO_BATCH)  # the epoch end closes it: as it did
 
 
 def starting(fetch_ms: float, step_ms: float = 20.0, batches: int = 6, **kwargs) -> WindowStats:

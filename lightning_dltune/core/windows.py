@@ -141,7 +141,8 @@ class WindowSchedule:
                 loaders can switch there).
             seen: whether the fit already closed a window (else this is the first, ``first_batches`` long).
             looks: whether a long window looks for new conditions every :attr:`look_every` batches (the
-                fit's first one, at least :data:`EARLY_LOOK_BATCHES` long, once after that many).
+                fit's first one, longer than :data:`EARLY_LOOK_BATCHES` and closing mid-epoch, once after
+                that many).
         """
         self.end = self.look = NO_BATCH
         if not mid_epoch:
@@ -149,13 +150,13 @@ class WindowSchedule:
         length = self.next_length
         if looks and seen and length > self.look_every:
             self.look = first_batch + self.look_every - 1
-        elif looks and not seen and length > EARLY_LOOK_BATCHES:
-            self.look = first_batch + EARLY_LOOK_BATCHES - 1
         end = first_batch + length - 1
         tail = math.ceil(length / 2) if seen else length  # the first window: an epoch at least twice as long
         if math.isfinite(epoch_batches) and epoch_batches - (end + 1) < tail:
             return
         self.end = end
+        if looks and not seen and length > EARLY_LOOK_BATCHES:  # it closes mid-epoch: maybe sooner
+            self.look = first_batch + EARLY_LOOK_BATCHES - 1
 
     @property
     def look_every(self) -> int:
