@@ -37,8 +37,8 @@ PARTIAL_MOVE = 2 / 3  # a shift's first window that moved less than this of the 
 CONFIRM_BATCHES = 10  # a window that confirms a suspected shift holds at least this many batches
 _Z95 = 1.6449  # a normal's p95, in standard deviations
 REPLAYED_WINDOWS = 256  # a decision replays the fit's latest this-many windows: its cost stays bounded in a long
-# fit (a few ms), where replaying every window grew with the fit (20 ms at 400 windows, 100+ at 2000). At the
-# defaults (3-5 s a window) that is the last 15-20 minutes: older undos and ceilings expire, the rebuild cap
+# fit (12-14 ms), where replaying every window grew with it (352 ms a decision at 2000 windows). At the
+# defaults (3-5 s a window) that is the last 13-21 minutes: older undos and ceilings expire, the rebuild cap
 # counts the changes in them
 CONTENTION_STEP = 0.25  # a step this much slower than before a change: the machine got busier (or our workers
 # take the training process's CPU); the change is measured again before it is judged

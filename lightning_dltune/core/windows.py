@@ -79,8 +79,8 @@ def starved_start(stats: WindowStats, num_workers: int) -> bool:
     queue to fill and no workers to start; a few batches tell it as well as ten. The window must have
     settled (at least :data:`_EARLY_FEWEST` batches after its warm-up, the step time no longer falling)
     and the loop waited at least :data:`EARLY_STARVATION` of its time for data (it waited longer than it
-    computed, far below any band). From 0 workers at 28 % busy (the README's demo) that is 4 batches of
-    making them in the training process fewer than the regular first window's 10.
+    computed, far below any band). From 0 workers at 31-34 % busy (the demo) that is 4 batches fewer
+    made in the training process than the regular first window's 10.
     """
     return (
         num_workers == 0
