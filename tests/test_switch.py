@@ -1,6 +1,7 @@
 """The loader switch: what torch must offer it, how it tells machinery failures from the user's, and
 rollbacks in real fits (a worker killed, /dev/shm full) that keep every sample exactly once."""
 
+import gc
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import tempfile
 import textwrap
 import time
 import warnings
+import weakref
 
 import lightning.pytorch as pl
 import pytest
@@ -160,6 +162,35 @@ def test_a_pending_switch_drains_the_old_workers_then_runs_the_rest_with_the_new
     switch = LoaderSwitch(loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=1), pending=True)
     seen += [i for b in it for i in b.tolist()]
     assert seen == list(range(40)) and loader.num_workers == 2 and switch.state is SwitchState.STARTED
+
+
+@pytest.mark.slow  # real worker processes
+def test_a_dropped_loader_stops_its_persistent_workers_at_once_without_the_garbage_collector():
+    # a loader in a reference cycle with its persistent iterator (its switch, its sampler's wrapper) is freed
+    # by the cyclic garbage collector, which closes the worker queues before torch's iterator can tell its
+    # workers to stop: the training process then waits torch's 5 s timeout a worker, whenever it collects
+    def switched_epoch():
+        loader = build_loader(Indices(40), LoaderConfig(num_workers=1), batch_size=4)
+        it = iter(loader)
+        next(it)
+        LoaderSwitch(loader, LoaderConfig(num_workers=2), LoaderConfig(num_workers=1), pending=True)
+        assert len(list(it)) == 9
+        workers = [w.pid for w in loader._iterator._workers]
+        return weakref.ref(loader), workers
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        started = time.monotonic()
+        dropped, pids = switched_epoch()
+        assert dropped() is None and len(pids) == 2  # freed as the last reference went, not by a collection
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)  # the worker is gone (reaped by torch's join)
+        assert time.monotonic() - started < 5
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Stamped(Dataset):

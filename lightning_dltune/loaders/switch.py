@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -80,7 +81,7 @@ class LoaderSwitch:
         on_confirm: Optional[Callable[[LoaderSwitch], None]] = None,
         take_over: bool = False,
     ) -> None:
-        self.loader = loader
+        self._loader = weakref.ref(loader)  # the loader holds its switch: no cycle for the garbage collector
         self.take_over = take_over
         self.target = target
         self.fallback = fallback
@@ -107,6 +108,15 @@ class LoaderSwitch:
             return False  # new workers would replay the stream: switch at the next iter()
         self._rest = take_sampler_rest(iterator)
         return self._rest is not None
+
+    @property
+    def loader(self) -> DataLoader:
+        """The loader switched (held weakly: a loader freed by the cyclic garbage collector would stop its
+        persistent workers only after torch's 5 s timeout a worker, in the training process)."""
+        loader = self._loader()
+        if loader is None:
+            raise ReferenceError("the switched loader no longer exists")
+        return loader
 
     def take_over_from(self, iterator: Iterator, workers: int, ready: int) -> Optional[Iterator]:
         """Pending, mid-iteration, ``take_over``: stop the ``workers`` of ``iterator`` now; a torch iterator of

@@ -30,6 +30,7 @@ import itertools
 import os
 import re
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
 
@@ -104,14 +105,20 @@ class EpochOrder:
 
     The first index batch is drawn at ``iter()`` (not when torch first asks), right after the RNG
     states are noted, so nothing else draws from the RNG in between; the rest is chained in C.
+
+    The loader (``owner``) is held weakly: its persistent iterator keeps this sampler, and a loader in a
+    reference cycle with its iterator is freed by the cyclic garbage collector, which closes the worker
+    queues before torch's iterator can tell its workers to stop (5 s a worker, in the training process).
     """
 
     def __init__(self, sampler: Any, owner: Any) -> None:
         self.sampler = sampler
-        self._owner = owner
+        self._owner = weakref.ref(owner)
 
     def __iter__(self) -> Iterator:
-        self._owner.order_state = capture_order(self.sampler)
+        owner = self._owner()
+        if owner is not None:
+            owner.order_state = capture_order(self.sampler)
         iterator = iter(self.sampler)
         first = list(itertools.islice(iterator, 1))
         return itertools.chain(first, iterator) if first else iter(())
