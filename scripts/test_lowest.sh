@@ -26,8 +26,10 @@ pip_install --upgrade pip
 pip_install "${DLTUNE_TORCH:-torch==2.13.0}" "$LOWEST"
 pip_install -e ".[test,examples]" "$LOWEST"
 .venv-lowest/bin/python -c "import lightning; print('lowest supported Lightning:', lightning.__version__)"
-# the tier checks the package against this Lightning: the benchmark harness's tests and the policy's pure
-# property tests (standard library only, no Lightning) run in the newest tier alone
-exec .venv-lowest/bin/python -m pytest -q -p no:cacheprovider --ignore=tests/test_benchmarks.py \
+# the tier checks the package against this Lightning: the benchmark harnesses' tests, the policy's pure
+# property tests (standard library only, no Lightning) and the loader machinery's tests on torch alone
+# (marked torch_only) run in the newest tier alone
+exec .venv-lowest/bin/python -m pytest -q -p no:cacheprovider -m "not torch_only" --ignore=tests/test_benchmarks.py \
   --ignore=tests/test_benchmark_oracle.py --ignore=tests/test_benchmark_phases.py \
-  --ignore=tests/test_benchmark_targets.py --ignore=tests/test_policy.py --ignore=tests/test_policy_windows.py "$@"
+  --ignore=tests/test_benchmark_targets.py --ignore=tests/test_gpu_benchmark.py \
+  --ignore=tests/test_policy.py --ignore=tests/test_policy_windows.py "$@"

@@ -59,16 +59,19 @@ def _caught(fn):
 
 
 # -- the torch internals ------------------------------------------------------------------------
+@pytest.mark.torch_only
 def test_the_installed_torch_has_every_internal_the_switch_uses():
     check_torch_internals()
 
 
+@pytest.mark.torch_only
 def test_a_torch_without_an_internal_the_switch_uses_fails_loudly(monkeypatch):
     monkeypatch.delattr(torch_dataloader._MultiProcessingDataLoaderIter, "_shutdown_workers")
     with pytest.raises(RuntimeError, match="_MultiProcessingDataLoaderIter._shutdown_workers"):
         check_torch_internals()
 
 
+@pytest.mark.torch_only
 @pytest.mark.slow  # real worker processes
 def test_a_split_iterator_hands_back_exactly_what_its_workers_had_not_delivered():
     # what the switch relies on: the rest of the sampler iteration plus the tasks not yet yielded
@@ -87,6 +90,7 @@ def test_a_split_iterator_hands_back_exactly_what_its_workers_had_not_delivered(
 
 
 # -- what raised it -------------------------------------------------------------------------------
+@pytest.mark.torch_only
 @pytest.mark.slow  # real worker processes
 def test_a_killed_worker_is_a_machinery_failure():
     loader = DataLoader(Indices(40, kill_in_worker_at=9), batch_size=4, num_workers=2)
@@ -105,12 +109,14 @@ def test_a_killed_worker_is_a_machinery_failure():
         OSError(28, "No space left on device"),
     ],
 )
+@pytest.mark.torch_only
 def test_the_users_own_errors_are_never_machinery_failures(workers, error):
     loader = DataLoader(Indices(40, raise_at=(5, error)), batch_size=4, num_workers=workers)
     exc = _caught(lambda: list(loader))
     assert not is_machinery_failure(exc), exc
 
 
+@pytest.mark.torch_only
 @pytest.mark.slow
 def test_a_users_collate_or_worker_init_error_is_not_a_machinery_failure():
     def bad_init(worker_id):
@@ -125,6 +131,7 @@ def test_a_users_collate_or_worker_init_error_is_not_a_machinery_failure():
 
 
 # -- the switch's life ----------------------------------------------------------------------------
+@pytest.mark.torch_only
 @pytest.mark.slow  # real worker processes
 def test_a_switch_is_confirmed_after_its_batches_and_then_detaches():
     loader = build_loader(Indices(40), LoaderConfig(num_workers=0), batch_size=4)
@@ -138,6 +145,7 @@ def test_a_switch_is_confirmed_after_its_batches_and_then_detaches():
     assert [i for b in it for i in b.tolist()] == list(range(12, 40))
 
 
+@pytest.mark.torch_only
 @pytest.mark.slow
 def test_a_worker_killed_after_the_first_batches_rolls_back_with_every_sample_once():
     rolled = []
@@ -154,6 +162,7 @@ def test_a_worker_killed_after_the_first_batches_rolls_back_with_every_sample_on
     assert rolled == [2] and loader.num_workers == 0
 
 
+@pytest.mark.torch_only
 @pytest.mark.slow  # real worker processes
 def test_a_pending_switch_drains_the_old_workers_then_runs_the_rest_with_the_new_ones():
     loader = build_loader(Indices(40), LoaderConfig(num_workers=1), batch_size=4)
@@ -164,6 +173,7 @@ def test_a_pending_switch_drains_the_old_workers_then_runs_the_rest_with_the_new
     assert seen == list(range(40)) and loader.num_workers == 2 and switch.state is SwitchState.STARTED
 
 
+@pytest.mark.torch_only
 @pytest.mark.slow  # real worker processes
 def test_a_dropped_loader_stops_its_persistent_workers_at_once_without_the_garbage_collector():
     # a loader in a reference cycle with its persistent iterator (its switch, its sampler's wrapper) is freed
@@ -221,6 +231,7 @@ def _switched_after_two(loader, target, wait_s=0.0, **switch_kwargs):
     return rows, int(rows[0][1]), switch
 
 
+@pytest.mark.torch_only
 @pytest.mark.slow  # real worker processes
 @pytest.mark.parametrize("persistent", [True, False])
 def test_a_switch_to_more_workers_takes_over_what_the_old_ones_held(persistent):
@@ -239,6 +250,7 @@ def test_a_switch_to_more_workers_takes_over_what_the_old_ones_held(persistent):
     assert [int(b[0][0]) for b in loader] == list(range(38))  # the next epoch, whole, with the new workers
 
 
+@pytest.mark.torch_only
 @pytest.mark.slow  # real worker processes
 def test_a_new_worker_killed_while_making_what_the_old_ones_held_rolls_back_with_every_sample_once():
     rolled = []
@@ -250,6 +262,7 @@ def test_a_new_worker_killed_while_making_what_the_old_ones_held_rolls_back_with
     assert rolled == [4] and switch.state is SwitchState.ROLLED_BACK and loader.num_workers == 1
 
 
+@pytest.mark.torch_only
 @pytest.mark.slow  # real worker processes
 def test_a_take_over_waits_for_the_old_workers_where_they_made_what_they_hold():
     loader = build_loader(Stamped(24, 0.01), LoaderConfig(num_workers=1, prefetch_factor=8), batch_size=1)
@@ -258,6 +271,7 @@ def test_a_take_over_waits_for_the_old_workers_where_they_made_what_they_hold():
     assert [int(row[0]) for row in rows if int(row[1]) == old_pid] == list(range(10))  # it delivered all 8
 
 
+@pytest.mark.torch_only
 @pytest.mark.slow  # real worker processes
 def test_without_take_over_the_new_workers_start_once_the_old_ones_delivered_everything():
     loader = build_loader(Stamped(24, 0.04), LoaderConfig(num_workers=1, prefetch_factor=8), batch_size=1)
@@ -419,6 +433,7 @@ class HangsInWorkers(Indices):
         return i
 
 
+@pytest.mark.torch_only
 @pytest.mark.slow
 def test_a_worker_that_hangs_during_a_switch_times_out_and_rolls_back_when_the_loader_has_a_timeout():
     rolled = []
