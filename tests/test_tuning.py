@@ -195,6 +195,9 @@ def test_a_noisy_neighbour_for_one_epoch_does_not_leave_the_tuner_on_a_worse_con
     trail = [
         (r.epoch, r.config.num_workers, round(r.starvation_ratio, 2), reason_text(r.reason)[:70]) for r in tuner.history
     ]
-    # the epoch after the neighbour left runs at least as well as the one before it came, give or take noise
-    assert rate(after) >= 0.8 * rate(before), trail
+    # the epoch after the neighbour left runs a config at least as good as the one before it came: the same
+    # config (this machine's load then is no verdict on the tuner: 7 workers ran 283 samples/s in epoch 1
+    # and 169 in epoch 5 once, on a CI host), or another that runs as fast, give or take noise
     assert after[-1].config.num_workers >= min(r.config.num_workers for r in before) - 1, trail
+    if after[-1].config not in {r.config for r in before}:
+        assert rate(after) >= 0.8 * rate(before), trail
