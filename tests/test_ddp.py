@@ -10,6 +10,7 @@ from tb_events import scalars
 
 pytestmark = pytest.mark.slow  # subprocesses, DDP or real fits
 
+MAX_WORKERS = 4  # the tuner's, in helpers/ddp_user_loaders_fit.py
 HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")  # the DDP child scripts
 
 
@@ -89,7 +90,8 @@ def test_a_projects_own_loaders_are_tuned_alike_on_every_rank_and_each_sample_tr
     assert rank0["history"][0][1] == 0 and rank0["history"][-1][1] > 0  # moved from 0 workers to more
     # Lightning's own re-created loader, with the DistributedSampler it injected, is the one tuned
     assert rank0["first_loader"] == rank1["first_loader"] == ["DataLoader", "DistributedSampler", 0]
-    assert rank0["last_loader"][2] == rank1["last_loader"][2] == rank0["history"][-1][1]
+    # the last batches ran the last window's config, or its decision where the switch took that over mid-epoch
+    assert rank0["last_loader"][2] == rank1["last_loader"][2] in rank0["history"][-1][1:3]
     assert rank0["after_fit"] == rank1["after_fit"] == "DataLoader"
     for epoch in range(2):  # every sample once per epoch across the ranks
         ids = rank0["train_indices"][epoch] + rank1["train_indices"][epoch]
@@ -109,7 +111,8 @@ def test_the_validation_side_gets_one_decision_for_all_ranks(ddp_user_loaders):
     # training's first window, on every rank alike) or on the training config, and its own runs add more
     train = {window[2] for window in rank0["history"]}
     assert first[2] in train or first[2] > max(train)
-    assert second[2] == first[3] and second[2] > max(train)
+    # more than training ever had, unless training too reached the tuner's max_workers (on a busy host)
+    assert second[2] == first[3] and (second[2] > max(train) or second[2] == MAX_WORKERS)
     # each rank's validation loader (Lightning's, with its DistributedSampler) ran the run's config
     ran = [["DataLoader", "DistributedSampler", run[2]] for run in (first, second)]
     assert rank0["val_loaders"] == rank1["val_loaders"] == ran

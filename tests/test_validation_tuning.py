@@ -212,21 +212,22 @@ def test_several_validation_loaders_are_each_measured_and_the_slow_one_starves_m
 
 @pytest.mark.slow
 def test_validation_starts_with_workers_sized_from_training_before_its_first_run(trainer_kwargs, caplog):
-    # 20 ms a batch on both sets; 1 worker feeds the 30 ms training step, not the 10 ms validation step
+    # 22 ms a batch on both sets; 1 worker feeds the 30 ms training step, not the 10 ms validation step
     tuner = DataLoaderTuner(window_batches=10, window_seconds=0.2, max_workers=4)
     model = SleepStepModule(step_s=0.03, val_step_s=0.01, record_indices=True)
     data = SleepyDataModule(
-        train_length=TRAIN, val_length=VAL, batch_size=BATCH, batch_cost_s=0.02, val_batch_cost_s=0.02, num_workers=1
+        train_length=TRAIN, val_length=VAL, batch_size=BATCH, batch_cost_s=0.022, val_batch_cost_s=0.022, num_workers=1
     )
     trainer = pl.Trainer(callbacks=[tuner], **{**trainer_kwargs, "max_epochs": 2, "val_check_interval": 0.5})
     with caplog.at_level(logging.INFO):
         trainer.fit(model, datamodule=data)
     runs = tuner.val_history
     assert len(runs) == 4
-    # the first run already has workers of its own: 20 ms / 10 ms x 1.2 headroom = 3
-    assert runs[0].num_workers == 3 and runs[0].starvation_ratio < 0.4
+    # the first run already has workers of its own: 22 ms / 10 ms x 1.2 headroom = 2.6, so 3 (a step measured 20 %
+    # slow on a busy host still gives 3; a batch measured slower, 4: the cap)
+    assert runs[0].num_workers in (3, 4) and runs[0].starvation_ratio < 0.4
     assert {r.num_workers for r in tuner.history} == {1} and data.loader_config.num_workers == 1
-    assert "[dltune] validation starts at 3 workers x prefetch 2 of its own" in caplog.text
+    assert f"[dltune] validation starts at {runs[0].num_workers} workers x prefetch 2 of its own" in caplog.text
     _every_val_sample_once_per_run(model)
     assert [sorted(ids) for ids in model.train_indices] == [list(range(TRAIN))] * 2
 
