@@ -945,6 +945,69 @@ def test_in_the_band_fewer_workers_must_make_at_their_mean_cost_the_rate_measure
     assert decision.config == cfg(2, 1), reason_text(decision.reason)
 
 
+def test_in_the_band_on_busy_cpus_workers_past_what_they_carry_go_where_the_model_cannot_see_it():
+    # cpu-bound from 16 x 8 on 2 CPUs, cut to 7 x 1 and 86 % busy: 62 ms a batch (contention's), 68 % of it CPU, and
+    # production plus the training process at 1.8 of 2 CPUs. The model, at that inflated cost, sees 7 workers make
+    # more than the loop ran at: it cannot explain the window and gives nothing back. The CPUs carry 2 (a batch's
+    # wait for a core on saturated CPUs counts as its CPU work)
+    stats = replace(window(3.5, 22, stall_fraction=0.1, worker_ms=62, cpu_fraction=0.68), main_cpu_fraction=0.13)
+    two_cpus = Budget(max_workers=7, cpus=2)
+    history = [record(0, cfg(7, 1), stats, cfg(7, 1))]
+    decision = decide(cfg(7, 1), stats, two_cpus, history)
+    assert decision.config == cfg(2, 1) and decision.reason.kind == ReasonKind.OVERSUBSCRIBED
+    assert decision.verdict == Verdict.IN_BAND
+    text = reason_text(decision.reason)
+    assert "7 workers oversubscribe the 2 CPUs" in text and "7 workers x prefetch 1 -> 2 workers x prefetch 1" in text
+    # one window is not evidence; CPUs not measured busy (an I/O-bound share) are none either
+    assert decide(cfg(7, 1), stats, two_cpus).config == cfg(7, 1)
+    light = replace(stats, worker_cpu_fraction=0.2)
+    kept = decide(cfg(7, 1), light, two_cpus, [record(0, cfg(7, 1), light, cfg(7, 1))])
+    assert kept.config.num_workers == 7 and kept.reason.kind != ReasonKind.OVERSUBSCRIBED
+    # the cut is judged like any give-back: where it left the loop starved it goes back
+    starved = replace(window(12, 22, stall_fraction=0.6, worker_ms=45, cpu_fraction=0.9), main_cpu_fraction=0.13)
+    history += [record(1, cfg(7, 1), stats, cfg(2, 1)), record(2, cfg(2, 1), starved, cfg(2, 1))]
+    back = decide(cfg(2, 1), starved, two_cpus, history)
+    assert back.config == cfg(7, 1) and back.reason.kind == ReasonKind.UNDO_GIVE_BACK
+
+
+def test_below_the_band_on_oversubscribed_busy_cpus_stalls_get_the_cut_not_deeper_prefetch():
+    # 7 x 1 on 2 CPUs, the budget's most, 79 % busy, a few fetches stalling: bursts by the numbers, but by the
+    # workers' measured CPU share the CPUs carry 2 of them, so the stalls are the contention's: deeper prefetch
+    # would hold more batches for nothing; the cut is measured instead
+    stats = replace(window(6, 22, stall_fraction=0.03, worker_ms=62, cpu_fraction=0.68), main_cpu_fraction=0.13)
+    two_cpus = Budget(max_workers=7, cpus=2)
+    history = [record(0, cfg(7, 1), stats, cfg(7, 1))]
+    decision = decide(cfg(7, 1), stats, two_cpus, history)
+    assert decision.reason.kind != ReasonKind.DEEPER_PREFETCH and decision.config.prefetch_factor == 1
+    assert decision.config == cfg(2, 1) and decision.reason.kind == ReasonKind.OVERSUBSCRIBED
+    # with the CPUs not busy the same stalls are bursts
+    light = replace(stats, worker_cpu_fraction=0.2)
+    deeper = decide(cfg(7, 1), light, Budget(max_workers=7, cpus=8), [record(0, cfg(7, 1), light, cfg(7, 1))])
+    assert deeper.reason.kind == ReasonKind.DEEPER_PREFETCH
+
+
+def test_a_window_of_fewer_batches_than_a_decision_needs_is_held_until_its_config_has_enough():
+    # a validation run of 2 batches, 98 % starved: the workers' start and noise, not the loaders' speed
+    run = window(40, 1, batches=2, worker_ms=45, cpu_fraction=0.9)
+    first = decide(cfg(7, 1), run, Budget(max_workers=7, cpus=2), fewest_batches=8)
+    assert first.config == cfg(7, 1) and first.reason.kind == ReasonKind.FEW_BATCHES
+    assert first.verdict == Verdict.DATA_BOUND_CPU  # the run's own diagnosis, consistent with its numbers
+    assert reason_text(first.reason) == "2 batches measured with 7 workers x prefetch 1, 8 needed to judge: holding"
+    # the runs of one config pool: the fourth brings 8 batches and is judged
+    history = []
+    for n in range(4):
+        decision = decide(cfg(7, 1), run, Budget(max_workers=7, cpus=2), history, fewest_batches=8)
+        history.append(record(n, cfg(7, 1), run, decision.config))
+    assert [r.next_config for r in history[:3]] == [cfg(7, 1)] * 3
+    assert "6 batches measured with 7 workers x prefetch 1 over 3 runs" in reason_text(decide(
+        cfg(7, 1), run, Budget(max_workers=7, cpus=2), history[:2], fewest_batches=8
+    ).reason)
+    assert decision.reason.kind != ReasonKind.FEW_BATCHES
+    # a budget still applies at once
+    over = decide(cfg(7, 1), run, Budget(max_workers=4, cpus=2), fewest_batches=8)
+    assert over.config.num_workers == 4
+
+
 def test_in_the_band_a_model_that_cannot_explain_the_window_gives_nothing_back():
     # 25 workers at 90 %: the mean says they make 1.6x what the step eats, yet the loop waits: the model is off
     stats = window(1.1, 10, stall_fraction=0.3, worker_ms=150, cpu_fraction=0.03)

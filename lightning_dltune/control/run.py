@@ -26,7 +26,7 @@ from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, Decision, PolicySettings, WindowRecord
 from lightning_dltune.core.stats import WindowStats
 from lightning_dltune.core.val_start import first_val_config
-from lightning_dltune.core.windows import WindowSchedule, starved_start
+from lightning_dltune.core.windows import VAL_FEWEST_BATCHES, WindowSchedule, starved_start
 
 Broadcast = Callable[[Any], Any]
 """Rank zero's object on every rank (``trainer.strategy.broadcast``); the identity with one process."""
@@ -172,11 +172,12 @@ class TuningRun:
 
         A changed config gives the validation loaders a config of their own from their next run on
         (the training loaders keep theirs; with ``tune_validation`` off it is what the tuner would try).
-        ``None`` without a fetch to judge.
+        Runs of a few batches pool until :data:`~lightning_dltune.core.windows.VAL_FEWEST_BATCHES` are
+        measured with one config (held till then). ``None`` without a fetch to judge.
         """
         if stats.fetches == 0:
             return None
-        decision = broadcast(decide(config, stats, budget, self.val_history, self.settings))
+        decision = broadcast(decide(config, stats, budget, self.val_history, self.settings, VAL_FEWEST_BATCHES))
         record = _record(epoch, config, stats, decision, None, global_step)
         self.val_history.append(record)
         if self.tuning and self.tune_validation:

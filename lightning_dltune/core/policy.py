@@ -13,7 +13,9 @@ How :func:`decide` thinks, first rule that applies wins:
    (``shm_fraction`` of its free space): verdict *memory-capped*; prefetch gives way first, then
    workers. Usable CPUs come from the affinity mask and the cgroup quota, shared among the node's
    ranks; after a switch that failed, the worker budget goes at most halfway back up to the count
-   that failed.
+   that failed. Then, where the caller asks for it (validation runs of a few batches), fewer batches
+   measured with the config than a judgement needs (its windows pooled) are held: no rule below judges
+   them.
 2. **New conditions, suspected.** One window unlike the config's earlier ones (a worker's time per
    batch off by more than half, the step time by more than a tenth, or, where the loader cannot say
    what a batch costs, starvation by more than 15 points; each also beyond three standard deviations
@@ -59,7 +61,8 @@ How :func:`decide` thinks, first rule that applies wins:
    least one more, at most twice as many). A cut taken on a starved window is judged by its speed beyond
    the noise of its windows, a step up on busy CPUs that gains less than ``min_gain`` goes back. The same
    cut is measured at the worker budget's most where the workers' measured CPU share says the CPUs carry
-   fewer workers though they came out under busy: nothing up is left to measure there. Workers
+   fewer workers though they came out under busy: nothing up is left to measure there. Past the workers
+   the CPUs carry (on that evidence) stalls are the contention's, and get the cut, not deeper prefetch. Workers
    also stop where the last increase gained less than ``min_gain`` although the model (or, for a measured
    step, the delivery) expected at least twice that, or at the budget; memory may cap them. Bursty stalls
    (most fetches find a batch ready, some find none, the workers make enough on average) get deeper
@@ -84,13 +87,16 @@ How :func:`decide` thinks, first rule that applies wins:
    every fetch pays a fixed hand-over cost: a queue that never ran dry, fed by workers with twice the
    capacity needed, is slack in the band all the same, and is given back by the throughput it keeps alone
    (not by the band's top, which the estimate cannot reach).
-8. **In the band**, or not clearly outside it: hold, with three exceptions. Window after window below
+8. **In the band**, or not clearly outside it: hold, with four exceptions. Window after window below
    the band's low edge (four or more pooled, below it by twice their standard error) adds throughput
-   as in 5 where the step is expected to gain twice ``min_gain``. At the worker budget and starved,
-   bursty stalls earn deeper prefetch as in 5. And where the loader measured a batch's cost and CPU
-   share and the model explains the window (it does not see more throughput than was measured), the
-   fewest workers that keep the same throughput by the rules of 7 (without the band's top) are the
-   leanest config: workers the CPUs cannot carry go, on two windows' evidence.
+   as in 5 where the step is expected to gain twice ``min_gain``. On CPUs measured busy with more
+   workers than they carry, the workers they carry, on two windows' evidence: the model, sizing fewer
+   workers from a batch's wall time that the contention inflated, cannot see them make as much, the
+   CPUs can (the cut is judged like a give-back of 7). At the worker budget and starved, bursty stalls
+   earn deeper prefetch as in 5. And where the loader measured a batch's cost and CPU share and the
+   model explains the window (it does not see more throughput than was measured), the fewest workers
+   that keep the same throughput by the rules of 7 (without the band's top) are the leanest config:
+   workers the CPUs cannot carry go, on two windows' evidence.
 
 **Verdicts follow the numbers.** *Data-bound (CPU saturated)* needs CPU evidence: the workers' measured
 CPU use (batches per second x their wall time per batch x its CPU share) plus the training process's
@@ -150,6 +156,7 @@ def decide(
     budget: Budget,
     history: Sequence[WindowRecord] = (),
     settings: PolicySettings = PolicySettings(),
+    fewest_batches: int = 0,
 ) -> Decision:
     """Decide the next loader config from the window just measured.
 
@@ -162,6 +169,8 @@ def decide(
         budget: what this rank's loaders may use.
         history: earlier windows of this fit, oldest first.
         settings: the policy's knobs.
+        fewest_batches: the batches a judgement needs, the window pooled with its config's earlier ones under
+            the same conditions; fewer are held (budgets still apply). Validation runs of a few batches.
 
     Returns:
         The next config (``current`` itself when nothing changes), the verdict, the structured reason,
@@ -172,7 +181,7 @@ def decide(
     if stats.batches <= 0 or stats.step_total_s <= 0:
         config, verdict, reason = current, Verdict.IN_BAND, Reason(ReasonKind.NOTHING_MEASURED)
     else:
-        config, verdict, reason = _apply_rules(current, fit.seen, budget, fit, settings, latest=stats)
+        config, verdict, reason = _apply_rules(current, fit.seen, budget, fit, settings, stats, fewest_batches)
     clamped, limit = clamp_to_budget(config, stats.batch_bytes, budget, settings)
     if clamped != config:  # a last guard: no rule may pick a config over budget
         config, verdict = clamped, Verdict.MEMORY_CAPPED if limit == "memory" else verdict
@@ -251,6 +260,7 @@ def _apply_rules(
     fit: FitHistory,
     settings: PolicySettings,
     latest: Optional[WindowStats] = None,
+    fewest_batches: int = 0,
 ) -> _Rule:
     """The first rule that applies, in the order of the module docstring."""
     if stats.batches <= 0 or stats.step_mean_s <= 0:
@@ -267,6 +277,7 @@ def _apply_rules(
     case = _Case(current, stats, budget, fit, settings, model, data_verdict, latest or stats)
     return (
         _over_budget(case)
+        or _too_few(case, fewest_batches)
         or _suspected_shift(case)
         or _rebuild_cap(case)
         or _judge_last_change(case)
@@ -350,6 +361,20 @@ def _over_budget(case: _Case) -> Optional[_Rule]:
             {"prefetch": current.prefetch_factor, "max_prefetch": settings.max_prefetch_factor, "to": pair(clamped)},
         )
     return clamped, case.held, reason
+
+
+def _too_few(case: _Case, fewest: int) -> Optional[_Rule]:
+    """1b. Fewer batches than ``fewest`` measured with this config (its windows pooled): hold, no rule judges.
+
+    Validation runs can be a few batches (``limit_val_batches``, a small held-out set): the starvation of
+    two of them is the workers' start and noise, not the loaders' speed. They pool until they are enough.
+    """
+    stats = case.stats
+    if stats.batches >= fewest:
+        return None
+    numbers = {"batches": stats.batches, "fewest": fewest, "windows": case.fit.windows, "config": pair(case.current)}
+    verdict = _window_verdict(case.latest, case.settings, case.data_verdict)  # the run's own diagnosis
+    return case.current, verdict, Reason(ReasonKind.FEW_BATCHES, numbers)
 
 
 def _suspected_shift(case: _Case) -> Optional[_Rule]:
@@ -469,6 +494,7 @@ def _against_the_band(case: _Case, latest: WindowStats) -> _Rule:
         return _give_back(case, above=clearly_above)
     return (
         _below_the_edge(case)
+        or _oversubscribed_in_band(case)
         or _deeper_at_the_budget(case)
         or _leaner_in_band(case)
         or (
@@ -523,7 +549,9 @@ def _add_throughput(case: _Case) -> _Rule:
     """5. Below the band and starved: deeper prefetch for bursts, more workers for steady starvation."""
     stats, fit = case.stats, case.fit
     starved = {"starvation": stats.starvation_ratio, "windows": fit.windows, "workers": case.current.num_workers}
-    return _stopped_helping(case) or _deeper_prefetch(case, starved) or _more_workers(case, starved)
+    # past the workers the CPUs carry, stalls come from the contention: no deeper prefetch, the cut of 5 first
+    bursts = None if _oversubscribed(case) else _deeper_prefetch(case, starved)
+    return _stopped_helping(case) or bursts or _more_workers(case, starved)
 
 
 def _stopped_helping(case: _Case) -> Optional[_Rule]:
@@ -645,6 +673,14 @@ def _measured_step(case: _Case, starved: dict, cost: dict, reach: int) -> Option
     return _step_up(case, starved, cost, wanted, sized_by="delivery")
 
 
+def _oversubscribed(case: _Case) -> bool:
+    """More workers than the CPUs the model counts carry, where that is evidence: the CPUs measured busy, or at
+    the budget's most (nothing up to measure) with the loader's measured CPU share."""
+    workers, model = case.current.num_workers, case.model
+    evidence = case.cpu_bound or (workers >= case.budget.max_workers and model.cpu_known)
+    return evidence and workers > model.cpu_limit()
+
+
 def _oversubscribed_cut(case: _Case, cpu_limit: int) -> Optional[LoaderConfig]:
     """Past saturation, starved: first prefetch to 1 (the queue is empty whatever its depth: batches in flight
     beyond one a worker only hold memory), then the workers the CPUs carry (the rest fight over the cores).
@@ -758,10 +794,7 @@ def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling
         measured = _measured_step(case, starved, cost, reach)
     if measured is not None or limit != cpu_limit:
         return measured or (current, case.data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost}))
-    # past the CPUs the model counts: cut where the CPUs were measured busy, and at the budget's most (nothing up
-    # to measure) where the loader measured its CPU share; the cut is judged by its speed either way
-    over = case.cpu_bound or (workers >= case.budget.max_workers and model.cpu_known)
-    cut = _oversubscribed_cut(case, cpu_limit) if over and workers > cpu_limit else None
+    cut = _oversubscribed_cut(case, cpu_limit) if _oversubscribed(case) else None
     if cut is not None:
         verdict = _modelled_cpu_verdict(case)
         numbers = {**starved, **cpus, "prefetch": current.prefetch_factor, "to": pair(cut), "cpu_bound": case.cpu_bound}
@@ -865,6 +898,43 @@ def _deeper_at_the_budget(case: _Case) -> Optional[_Rule]:
         return None
     starved = {"starvation": stats.starvation_ratio, "windows": fit.windows, "workers": current.num_workers}
     return _deeper_prefetch(case, starved)
+
+
+def _oversubscribed_in_band(case: _Case) -> Optional[_Rule]:
+    """8. In the band on CPUs measured busy, with more workers than the CPUs carry: the workers they carry.
+
+    Where the model explains the window, the leanest config it says keeps the throughput
+    (:func:`_leaner_in_band`). Where it does not, it sized fewer workers from a batch's wall time that the
+    many's contention inflated, and cannot see them make as much on the same busy cores (7 workers on 2 CPUs
+    held in the band at 1.2-1.3 times the memory of 2). The CPUs can: past their count workers add processes,
+    memory and contention, not throughput. So the workers the CPUs carry (at the same prefetch), on two
+    windows' evidence, not while the last change is judged, never down to a config starved under today's
+    conditions nor to a shorter lead than a heavy tail needs, and judged like any give-back: undone where it
+    leaves the loop starved or clearly slower. No deeper prefetch first: stalls there are the contention's.
+    """
+    current, model, fit = case.current, case.model, case.fit
+    if not case.cpu_bound or not model.cpu_known or fit.windows < 2:
+        return None
+    cpu_limit = model.cpu_limit()
+    if current.num_workers <= cpu_limit:
+        return None
+    leaner = _leaner_in_band(case)
+    if leaner is not None:
+        return leaner
+    cut = current.replace(num_workers=cpu_limit)
+    if _change_being_judged(case) or not case.allowed(cut) or not case.keeps_the_lead(cut):
+        return None
+    numbers = {
+        "starvation": case.stats.starvation_ratio,
+        "windows": fit.windows,
+        "workers": current.num_workers,
+        "cpus": case.budget.cpus,
+        "cpu_share": model.cpu_share,
+        "prefetch": current.prefetch_factor,
+        "to": pair(cut),
+        "cpu_bound": True,
+    }
+    return cut, case.held, Reason(ReasonKind.OVERSUBSCRIBED, numbers)
 
 
 def _leaner_in_band(case: _Case) -> Optional[_Rule]:

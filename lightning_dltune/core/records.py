@@ -25,6 +25,7 @@ class ReasonKind(_StrEnum):
     """Which rule decided, and so which numbers a :class:`Reason` carries."""
 
     NOTHING_MEASURED = "nothing-measured"
+    FEW_BATCHES = "few-batches"  # too few batches measured with this config (short validation runs): hold
     OVER_MEMORY = "over-memory"  # current config over the memory or /dev/shm budget
     OVER_WORKERS = "over-workers"  # current config over the worker budget
     OVER_PREFETCH = "over-prefetch"  # current config over the deepest prefetch allowed

@@ -40,6 +40,7 @@ LOOK_FEWEST = CONFIRM_BATCHES  # ... and at least this many batches apart (a loo
 EARLY_LOOK_BATCHES = 6  # the fit's first window looks after this many batches (the warm-up rule's fewest steps) ...
 EARLY_STARVATION = 0.5  # ... and closes there from 0 workers where the loop waited at least this share of its time
 _EARLY_FEWEST = 4  # ... on at least this many batches after the warm-up
+VAL_FEWEST_BATCHES = 8  # a validation decision needs this many batches of its config, its runs pooled
 
 
 def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:

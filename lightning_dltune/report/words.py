@@ -329,6 +329,10 @@ def _slack(v: dict[str, Any]) -> str:
 
 _WORDS = {
     ReasonKind.NOTHING_MEASURED: lambda v: "no training batches measured: holding",
+    ReasonKind.FEW_BATCHES: lambda v: (
+        f"{v['batches']} batch{'' if v['batches'] == 1 else 'es'} measured with {_short(v['config'])}"
+        f"{' over ' + str(v['windows']) + ' runs' if v['windows'] > 1 else ''}, {v['fewest']} needed to judge: holding"
+    ),
     ReasonKind.OVER_MEMORY: lambda v: f"{_short(v['config'])} would hold {_memory(v)}: {_short(v['to'])}",
     ReasonKind.OVER_WORKERS: lambda v: (
         f"{_workers(v['workers'])} exceed the budget of {v['max_workers']}: {_short(v['to'])}"
