@@ -145,8 +145,9 @@ def test_a_validation_switch_whose_workers_die_rolls_back_with_every_sample_once
     ],
 )
 @pytest.mark.slow
-def test_each_validation_run_is_one_validation_window(trainer_kwargs, trainer_args, data_cls, runs, ids):
-    tuner, model, data = _fit(trainer_kwargs, data_cls, _IdsPerLoader, **trainer_args)
+def test_each_validation_run_is_one_validation_window(trainer_kwargs, trainer_args, data_cls, runs, ids, caplog):
+    with caplog.at_level(logging.INFO):
+        tuner, model, data = _fit(trainer_kwargs, data_cls, _IdsPerLoader, **trainer_args)
     assert len(tuner.val_history) == len(model.val_indices) == runs
     # every run saw each loader's samples once (the first batches' ones where limit_val_batches cuts the run)
     expected = {idx: list(range(n)) for idx, n in ids.items()}
@@ -163,8 +164,10 @@ def test_each_validation_run_is_one_validation_window(trainer_kwargs, trainer_ar
     # 8 batches a decision needs, after the runs that together hold them (two of 4 or 5); training kept its config
     deciding = 0 if tuner.val_history[0].stats.batches >= VAL_FEWEST_BATCHES else 1
     assert [r.next_config.num_workers > 0 for r in tuner.val_history[: deciding + 1]] == [False] * deciding + [True]
-    if deciding:
+    if deciding:  # the console says why nothing changed
+        batches = tuner.val_history[0].stats.batches
         assert "needed to judge: holding" in reason_text(tuner.val_history[0].reason)
+        assert f"| {batches} of {VAL_FEWEST_BATCHES} batches to judge\n" in caplog.text + "\n"
     assert data.val_config.num_workers > 0
     assert data.loader_config.num_workers == 0
 

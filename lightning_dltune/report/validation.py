@@ -15,8 +15,9 @@ from typing import Any, Sequence
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.records import WindowRecord
+from lightning_dltune.core.records import ReasonKind, WindowRecord
 from lightning_dltune.core.stats import WindowStats
+from lightning_dltune.core.windows import VAL_FEWEST_BATCHES
 from lightning_dltune.measure.val_loaders import ValLoaderRun
 from lightning_dltune.report.metrics import lightning_step, window_scalars
 from lightning_dltune.report.tensorboard import PREFIX
@@ -67,14 +68,17 @@ def log_val_run(trainer: Any, record: WindowRecord, scalars: dict[str, float], t
 def val_line(record: WindowRecord, tuning: bool, parts: Sequence[ValLoaderRun] = ()) -> str:
     """``[dltune] validation at step 120 | workers 0 -> 2, prefetch 2 | starved 60% | data-bound (I/O)``.
 
-    With several loaders (``parts``), each one's starvation follows: ``| loaders 0: 93%, 1: 4% starved``.
+    With several loaders (``parts``), each one's starvation follows: ``| loaders 0: 93%, 1: 4% starved``; a run
+    held for too few batches says how many its config has of those a decision needs: ``| 4 of 8 batches to judge``.
     """
     change = "" if tuning or not record.changed else " (would try)"
     loaders = ", ".join(f"{p.dataloader_idx}: {p.stats.starvation_ratio:.0%}" for p in parts)
+    few = getattr(record.reason, "kind", None) is ReasonKind.FEW_BATCHES
+    pooled = f" | {record.reason['batches']} of {record.reason['fewest']} batches to judge" if few else ""
     return (
         f"[dltune] validation at step {record.step} | {config_change(record)}{change}"
         f" | starved {record.stats.starvation_ratio:.0%}{f' | loaders {loaders} starved' if parts else ''}"
-        f" | {record.verdict}"
+        f" | {record.verdict}{pooled}"
     )
 
 
@@ -85,7 +89,8 @@ def val_start_line(start: LoaderConfig, record: WindowRecord) -> str:
     return (
         f"[dltune] validation starts at {start.num_workers} workers x prefetch {start.prefetch_factor} of its own:"
         " its step (no backward pass) is taken as a third"
-        f" of the training step's {1e3 * s.step_mean_s:.0f} ms{cost}; its own runs decide from the first on"
+        f" of the training step's {1e3 * s.step_mean_s:.0f} ms{cost}; its own runs decide from the first that holds"
+        f" {VAL_FEWEST_BATCHES} batches"
     )
 
 
