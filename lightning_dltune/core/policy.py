@@ -907,7 +907,8 @@ def _oversubscribed_in_band(case: _Case) -> Optional[_Rule]:
     (:func:`_leaner_in_band`). Where it does not, it sized fewer workers from a batch's wall time that the
     many's contention inflated, and cannot see them make as much on the same busy cores (7 workers on 2 CPUs
     held in the band at 1.2-1.3 times the memory of 2). The CPUs can: past their count workers add processes,
-    memory and contention, not throughput. So the workers the CPUs carry (at the same prefetch), on two
+    memory and contention, not throughput. So the workers the CPUs carry (at the same prefetch; never fewer
+    than could make the measured rate, with the headroom, were each batch only its CPU time), on two
     windows' evidence, not while the last change is judged, never down to a config starved under today's
     conditions nor to a shorter lead than a heavy tail needs, and judged like any give-back: undone where it
     leaves the loop starved or clearly slower. No deeper prefetch first: stalls there are the contention's.
@@ -921,7 +922,13 @@ def _oversubscribed_in_band(case: _Case) -> Optional[_Rule]:
     leaner = _leaner_in_band(case)
     if leaner is not None:
         return leaner
-    cut = current.replace(num_workers=cpu_limit)
+    # never fewer than could make the measured rate (with the headroom) were every batch only its CPU time: each
+    # worker makes at most one batch per CPU time, so fewer cannot keep the throughput whatever the contention
+    floor = math.ceil(case.settings.headroom * model.rate * model.cpu_s - 1e-9)
+    target = max(cpu_limit, floor, 1)
+    if target >= current.num_workers:
+        return None
+    cut = current.replace(num_workers=target)
     if _change_being_judged(case) or not case.allowed(cut) or not case.keeps_the_lead(cut):
         return None
     numbers = {
