@@ -90,13 +90,15 @@ How :func:`decide` thinks, first rule that applies wins:
 8. **In the band**, or not clearly outside it: hold, with four exceptions. Window after window below
    the band's low edge (four or more pooled, below it by twice their standard error) adds throughput
    as in 5 where the step is expected to gain twice ``min_gain``. On CPUs measured busy with more
-   workers than they carry, the workers they carry, on two windows' evidence: the model, sizing fewer
-   workers from a batch's wall time that the contention inflated, cannot see them make as much, the
-   CPUs can (the cut is judged like a give-back of 7). At the worker budget and starved, bursty stalls
-   earn deeper prefetch as in 5. And where the loader measured a batch's cost and CPU share and the
-   model explains the window (it does not see more throughput than was measured), the fewest workers
-   that keep the same throughput by the rules of 7 (without the band's top) are the leanest config:
-   workers the CPUs cannot carry go, on two windows' evidence.
+   workers than they carry, the workers they carry (never fewer than could make the measured rate at
+   their CPU time alone), on two windows' evidence, where the training process was measured using less
+   than half a CPU: the model, sizing fewer workers from a batch's wall time that the contention
+   inflated, cannot see them make as much, the CPUs can (the cut is judged like a give-back of 7). At
+   the worker budget and starved, bursty stalls earn deeper prefetch as in 5. And where the loader
+   measured a batch's cost and CPU share and the model explains the window (it does not see more
+   throughput than was measured), the fewest workers that keep the same throughput by the rules of 7
+   (without the band's top) are the leanest config: workers the CPUs cannot carry go, on two windows'
+   evidence.
 
 **Verdicts follow the numbers.** *Data-bound (CPU saturated)* needs CPU evidence: the workers' measured
 CPU use (batches per second x their wall time per batch x its CPU share) plus the training process's
@@ -146,6 +148,7 @@ _HEAVY_MEMORY_SHARE = 0.25  # prefetched batches holding more than this share of
 _TAIL = 3.0  # a slowest batch past this many times the p95 is a heavy tail's (a log-normal spread of 40 %: ~1.3)
 _EDGE_WINDOWS = 4  # windows pooled below the band's low edge (within the hysteresis) that are no noise
 _SATURATED = 0.85  # CPU use (production plus the training process) past this share of the usable CPUs: saturated
+_BUSY_MAIN = 0.5  # a training process using this many CPUs or more: the workers' wait is not read as contention
 
 _Rule = tuple[LoaderConfig, Verdict, Reason]
 
@@ -912,10 +915,18 @@ def _oversubscribed_in_band(case: _Case) -> Optional[_Rule]:
     windows' evidence, not while the last change is judged, never down to a config starved under today's
     conditions nor to a shorter lead than a heavy tail needs, and judged like any give-back: undone where it
     leaves the loop starved or clearly slower. No deeper prefetch first: stalls there are the contention's.
+
+    Only where the training process was measured using less than half a CPU: the cut reads the workers' time
+    off a core as waiting for one. Where the training process holds a core itself (a step computed on the
+    CPU), the workers share what it leaves and their measured share cannot tell that wait from storage's:
+    the demo's JPEG pipeline, its training process using a whole CPU for a real backward pass, was cut
+    5 -> 2 and 7 -> 2 there and ran 74-81 % busy until the cut was undone.
     """
     current, model, fit = case.current, case.model, case.fit
     if not case.cpu_bound or not model.cpu_known or fit.windows < 2:
         return None
+    if not model.main_known or model.main >= _BUSY_MAIN:
+        return None  # the workers' wait may be storage as much as a core: left to the model's give-backs
     cpu_limit = model.cpu_limit()
     if current.num_workers <= cpu_limit:
         return None
