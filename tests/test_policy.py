@@ -1086,10 +1086,73 @@ def test_a_shift_inside_its_suspect_window_asks_for_a_short_confirming_window():
                                   worker_batch_p95_s=0.050), cfg(2))
         for i in range(3)
     ]
-    mixed = replace(window(20, 22, worker_ms=75, cpu_fraction=0.03), worker_batch_p95_s=0.130)
+    # (the loop still fed by the batches in flight: a starved one is acted on at once, below)
+    mixed = replace(window(1.5, 22, worker_ms=75, cpu_fraction=0.03, stall_fraction=0.1), worker_batch_p95_s=0.130)
     decision = decide(cfg(2), mixed, ROOMY, history)
     assert decision.reason.kind == ReasonKind.SHIFT_SUSPECTED
     assert decision.confirm_batches <= 15
+
+
+def test_a_measured_cost_rise_that_starves_a_fed_loop_is_acted_on_at_once():
+    # storage 3x slower: the workers measure 47 ms -> 130 ms a batch (their p95 with it) and the loop, fed at
+    # 98 % in the windows before, waits 48 % of its time. Two measurements agree inside the window: holding a
+    # window to confirm would cost a starved window's throughput for certain
+    fed = [
+        record(i, cfg(2), replace(window(0.5, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
+                                  worker_batch_p95_s=0.050), cfg(2))
+        for i in range(3)
+    ]
+    slower = replace(window(20, 22, worker_ms=130, cpu_fraction=0.03), worker_batch_p95_s=0.140)
+    decision = decide(cfg(2), slower, ROOMY, fed)
+    assert decision.reason.kind == ReasonKind.MORE_WORKERS
+    assert decision.config.num_workers >= 7  # sized from the new cost alone: 130 ms a batch beside a 22 ms step
+    assert decision.reason.values["shift"][0] == "batch time"
+    # the next window is judged under the new conditions: the step up that paid is kept
+    history = [*fed, record(3, cfg(2), slower, decision.config)]
+    after = replace(window(0.8, 22, worker_ms=130, cpu_fraction=0.03), worker_batch_p95_s=0.140)
+    assert decide(decision.config, after, ROOMY, history).config == decision.config
+
+
+def test_a_give_back_that_met_slower_storage_is_judged_afresh_not_held_to_confirm_its_loss():
+    # 7 x 8 fed the loop on 47 ms batches and gave back to 2 x 8 as storage got 3x slower: the give-back's first
+    # window starves (57 %) on 130 ms batches. Fewer workers make their batches no slower: the cost is new
+    # conditions, sized afresh at once (held to confirm the give-back's loss, it ran a second starved window)
+    history = [
+        record(i, cfg(7, 8), replace(window(0.5, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
+                                     worker_batch_p95_s=0.050), cfg(7, 8) if i < 2 else cfg(2, 8))
+        for i in range(3)
+    ]
+    slower = replace(window(30, 22, worker_ms=130, cpu_fraction=0.03), worker_batch_p95_s=0.140)
+    decision = decide(cfg(2, 8), slower, Budget(max_workers=7, cpus=64), history)
+    assert decision.reason.kind == ReasonKind.MORE_WORKERS and decision.config.num_workers == 7
+    assert decision.reason.values["shift"][0] == "batch time"
+    # the same starvation with the cost unchanged is the give-back's: measured again, then undone
+    same_cost = replace(window(30, 22, worker_ms=47, cpu_fraction=0.03), worker_batch_p95_s=0.050)
+    assert decide(cfg(2, 8), same_cost, Budget(max_workers=7, cpus=64), history).reason.kind == (
+        ReasonKind.CONFIRM_STARVED
+    )
+
+
+def test_a_cost_rise_the_loop_does_not_feel_or_an_already_starved_loop_still_waits_for_a_second_window():
+    fed = [
+        record(i, cfg(2), replace(window(0.5, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
+                                  worker_batch_p95_s=0.050), cfg(2))
+        for i in range(3)
+    ]
+    # the batches in flight still feed the loop: suspected, confirmed by a short window
+    fed_still = replace(window(1.0, 22, worker_ms=130, cpu_fraction=0.03, stall_fraction=0.1), worker_batch_p95_s=0.140)
+    assert decide(cfg(2), fed_still, ROOMY, fed).reason.kind == ReasonKind.SHIFT_SUSPECTED
+    # a loop that was starved before (at the budget's most) learns nothing new from starving more
+    starved = [
+        record(i, cfg(2), replace(window(15, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
+                                  worker_batch_p95_s=0.050), cfg(2))
+        for i in range(3)
+    ]
+    slower = replace(window(40, 22, worker_ms=130, cpu_fraction=0.03), worker_batch_p95_s=0.140)
+    assert decide(cfg(2), slower, Budget(max_workers=2, cpus=64), starved).reason.kind == ReasonKind.SHIFT_SUSPECTED
+    # a mean that a heavy tail moved alone (the typical batch did not move) is no new condition either
+    tail = replace(window(20, 22, worker_ms=130, cpu_fraction=0.03), worker_batch_p95_s=0.051)
+    assert "shift" not in decide(cfg(2), tail, ROOMY, fed).reason.values
 
 
 def test_a_move_of_the_batch_cost_the_loop_cannot_feel_is_no_new_condition():

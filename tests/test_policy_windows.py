@@ -432,11 +432,13 @@ def test_at_scale_the_last_windows_run_within_five_percent_of_the_best_static_co
 
 
 @pytest.mark.slow
-def test_at_scale_storage_three_times_slower_is_answered_within_two_windows_of_one_short_look():
+def test_at_scale_storage_three_times_slower_is_answered_in_the_window_that_shows_it():
+    # the workers measure their batches 3x slower and the loop, fed before, starves: two measurements agree
+    # inside one window, so no second window is held to confirm it (it cost a starved window before)
     schedule, windows = scale_schedule(64, "storage x3 mid-run")
     records = run_at_scale(schedule, LoaderConfig(num_workers=0), Budget(max_workers=63, cpus=64.0), 64, windows)
-    suspected = records[12]
-    assert suspected.reason.kind == ReasonKind.SHIFT_SUSPECTED and suspected.next_config == suspected.config
-    # the window that confirms it is short, and acts: more workers right there
-    assert records[13].stats.batches < records[12].stats.batches
-    assert records[13].next_config.num_workers > records[13].config.num_workers
+    shown = records[12]
+    assert shown.reason.kind == ReasonKind.MORE_WORKERS, show(records, schedule)
+    assert shown.reason.values["shift"][0] == "batch time"
+    assert shown.next_config.num_workers > shown.config.num_workers
+    assert not any(r.reason.kind == ReasonKind.SHIFT_SUSPECTED for r in records[12:])

@@ -9,7 +9,7 @@ from fit_workloads import SleepyDataModule
 
 from lightning_dltune.control.run import TuningRun
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.records import Budget, PolicySettings, Verdict
+from lightning_dltune.core.records import Budget, PolicySettings, Verdict, WindowRecord
 from lightning_dltune.core.stats import WindowStats
 from lightning_dltune.core.windows import NO_BATCH, WindowSchedule
 
@@ -97,6 +97,22 @@ def test_new_conditions_are_seen_against_the_same_configs_windows():
     assert not run.closes_at_look(config, window(0.5, 20, worker_ms=60))
     assert run.closes_at_look(config, window(30, 20, worker_ms=200))  # storage three times slower
     assert not run.closes_at_look(LoaderConfig(num_workers=2), window(30, 20, worker_ms=200))  # no earlier windows
+
+
+def test_a_give_backs_first_window_closes_where_the_cost_rose_and_starved_the_loop():
+    # 8 workers fed the loop on 60 ms batches and gave back to 4 as storage got three times slower: the look
+    # compares the workers' cost with the 8 workers' windows (fewer workers make their batches no slower)
+    run, _ = starved_run()
+    eight, four = LoaderConfig(num_workers=8), LoaderConfig(num_workers=4)
+    run.history.extend(
+        WindowRecord(
+            0, eight, window(0.5 + 0.01 * i, 20, worker_ms=60 + i), Verdict.IN_BAND, "", eight if i < 2 else four
+        )
+        for i in range(3)
+    )
+    assert run.closes_at_look(four, window(30, 20, worker_ms=200))
+    assert not run.closes_at_look(four, window(30, 20, worker_ms=61))  # starved, the cost the same: the give-back's
+    assert not run.closes_at_look(four, window(0.5, 20, worker_ms=200))  # the loop still fed: nothing to act on
 
 
 def test_the_fits_first_window_closes_at_its_early_look_only_where_0_workers_starve_plainly():

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from lightning_dltune.control.budgets import cap_after_failure, less_the_other_side
 from lightning_dltune.control.switchable import FailureListener, SwitchableLoaders
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.history import CONFIRM_BATCHES, detect_shift, same_conditions
+from lightning_dltune.core.history import CONFIRM_BATCHES, detect_shift, given_back_from, same_conditions, starved_rise
 from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, Decision, PolicySettings, WindowRecord
 from lightning_dltune.core.stats import WindowStats
@@ -95,13 +95,17 @@ class TuningRun:
     def closes_at_look(self, config: Optional[LoaderConfig], stats: WindowStats) -> bool:
         """Whether the open window closes at this look: the fit's first starves plainly at 0 workers
         (:func:`~lightning_dltune.core.windows.starved_start`), a later one shows new conditions against
-        ``config``'s earlier windows."""
+        ``config``'s earlier windows, or, the first of a give-back, a measured cost that rose and starved the
+        loop against the windows of the config it left (:func:`~lightning_dltune.core.history.starved_rise`)."""
         if config is None or not stats.fetches:
             return False
         if not self.history:
             return starved_start(stats, config.num_workers)
         prior = same_conditions(self.history, config)
-        return bool(prior) and detect_shift(prior, stats, config.num_workers, part=True) is not None
+        if prior:
+            return detect_shift(prior, stats, config.num_workers, part=True) is not None
+        given_back = given_back_from(self.history, config)  # a give-back's first window: against the config it left
+        return starved_rise(given_back, stats, config.num_workers, self.settings, part=True) is not None
 
     def looked(self, batch_idx: int) -> None:
         """A look at ``batch_idx`` found the same conditions."""

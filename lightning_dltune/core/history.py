@@ -206,6 +206,14 @@ class _Replay:
             streak.before, streak.before_stats = previous.config, self.pooled[i - 1]
             streak.kind = change_kind(previous.config, config)
             streak.undo = previous.before == config and not previous.undo
+            fed = [w for _, w, _ in self.windows[max(previous.start, i - POOLED_WINDOWS) : i]]
+            if streak.kind is ChangeKind.GIVE_BACK and config.num_workers > 0:
+                # fewer workers make their batches no slower: a measured cost that rose and starved the loop is
+                # new conditions (storage slowed as the give-back came), not the give-back's verdict
+                moved = starved_rise(fed, self.windows[i][1], config.num_workers, self.settings)
+                if moved is not None:
+                    self._new_conditions(i, moved, i)
+                    streak = _Streak(i, config)
         self.streaks.append(streak)
         return streak
 
@@ -217,31 +225,42 @@ class _Replay:
         or with the second where the first moved less than ``PARTIAL_MOVE`` of the second's way (the change
         came inside the first: half old conditions, pooled with the new ones it would blur both the cost
         the next step is sized from and the spread that says whether the loop is clearly outside the band).
+        Also when window ``i`` alone shows a measured cost that rose and starved a loop the earlier ones fed
+        (:func:`starved_rise`): the new streak starts with it.
         """
         config, window = self.windows[i][0], self.windows[i][1]
         prior = [w for _, w, _ in self.windows[max(streak.start, i - 1 - POOLED_WINDOWS) : i - 1]]
         moved = _confirmed_shift(prior, self.windows[i - 1][1], window, config.num_workers)
-        if moved is None:
-            return streak
-        # what was learned under the old conditions is stale
-        first, second = (
-            detect_shift(prior, self.windows[i - 1][1], config.num_workers),
-            detect_shift(prior, window, config.num_workers),
-        )
-        partial = first is not None and second is not None and _moved(first) < PARTIAL_MOVE * _moved(second)
+        if moved is not None:
+            first, second = (
+                detect_shift(prior, self.windows[i - 1][1], config.num_workers),
+                detect_shift(prior, window, config.num_workers),
+            )
+            partial = first is not None and second is not None and _moved(first) < PARTIAL_MOVE * _moved(second)
+        else:
+            fed = [w for _, w, _ in self.windows[max(streak.start, i - POOLED_WINDOWS) : i]]
+            moved = starved_rise(fed, window, config.num_workers, self.settings)
+            if moved is None:
+                return streak
+            partial = True  # the window alone: the windows before it were fed under the old conditions
         start = i if partial else i - 1
-        self.conditions_from = start
-        self.shift = moved if i == len(self.windows) - 1 else None
-        self.rejected.clear()
-        self.starved.clear()
-        self.outgrown.clear()
-        self.worker_ceiling = self.prefetch_ceiling = None
+        self._new_conditions(start, moved, i)
         streak = _Streak(start, config)
         self.streaks.append(streak)
         if not partial:
             self.pooled[i - 1] = window_before = self.windows[i - 1][1]
             self._note_starved(window_before, config)
         return streak
+
+    def _new_conditions(self, start: int, shift: Shift, i: int) -> None:
+        """Conditions shifted at window ``start`` (seen at window ``i``): what was learned under the old ones is
+        stale."""
+        self.conditions_from = start
+        self.shift = shift if i == len(self.windows) - 1 else None  # the newest window's decision says so
+        self.rejected.clear()
+        self.starved.clear()
+        self.outgrown.clear()
+        self.worker_ceiling = self.prefetch_ceiling = None
 
     def _note_starved(self, window: WindowStats, config: LoaderConfig) -> None:
         """``config`` is starved under today's conditions while its (pooled) windows are.
@@ -493,12 +512,50 @@ def same_conditions(history: Sequence[WindowRecord], config: LoaderConfig) -> li
     """
     if not history or history[-1].next_config != config:
         return []
+    return _latest_streak(history, config)
+
+
+def given_back_from(history: Sequence[WindowRecord], config: LoaderConfig) -> list[WindowStats]:
+    """The latest windows of the config that a give-back to ``config`` (with workers) left, if the newest did.
+
+    What the give-back's first window is compared with to spot a cost that rose and starved the loop as it
+    came (:func:`starved_rise`): fewer workers make their batches no slower.
+    """
+    if not history or history[-1].next_config != config or config.num_workers == 0:
+        return []
+    before = history[-1].config
+    if change_kind(before, config) is not ChangeKind.GIVE_BACK:
+        return []
+    return _latest_streak(history, before)
+
+
+def _latest_streak(history: Sequence[WindowRecord], config: LoaderConfig) -> list[WindowStats]:
     streak: list[WindowStats] = []
     for record in reversed(history):
         if record.config != config or len(streak) == POOLED_WINDOWS:
             break
         streak.append(record.stats)
     return streak[::-1]
+
+
+def starved_rise(
+    prior: Sequence[WindowStats], new: WindowStats, workers: int, settings: PolicySettings, part: bool = False
+) -> Optional[Shift]:
+    """New conditions on one window: the data side's measured cost rose and starved a loop that ``prior`` fed.
+
+    One window is noise until a second agrees (a heavy tail makes lucky and unlucky ones), but here two
+    measurements agree inside it: the workers' own time per batch rose past its noise, its typical batch with
+    it (:func:`detect_shift`), and the loop, fed in the config's earlier windows (at least two, pooled), is
+    clearly below the band and waiting on data. Holding to confirm costs a starved window's throughput for
+    certain; a step up the next windows show did not pay is undone. ``part``: ``new`` is a window so far (a
+    look, see :func:`detect_shift`). ``None`` otherwise.
+    """
+    if len(prior) < 2 or not is_starved(new, settings) or is_starved(pool_windows(list(prior)), settings):
+        return None
+    shift = detect_shift(prior, new, workers, part=part)
+    if shift is None or shift.signal != "batch time" or shift.now <= shift.before:
+        return None
+    return shift
 
 
 def _moved(shift: Shift) -> float:

@@ -29,9 +29,14 @@ How :func:`decide` thinks, first rule that applies wins:
    change is answered in about one window. Two in a row that agree are new conditions (storage slowed,
    a neighbour took the CPUs): what was learned before them (pooled windows, undone configs, worker
    and prefetch ceilings, the rebuild count) is dropped (:func:`~lightning_dltune.core.history.recall`)
-   and the rules below judge the new windows alone. The replay covers the fit's latest 256 windows
-   (``REPLAYED_WINDOWS``), so that a decision costs the same late in a long fit as early: older ones are
-   forgotten as new conditions would forget them.
+   and the rules below judge the new windows alone. So is one window where two measurements agree
+   inside it (:func:`~lightning_dltune.core.history.starved_rise`): the workers' own cost per batch rose
+   (its typical batch too) and the loop, fed by the config's earlier windows, is clearly below the band
+   and waiting on data; holding to confirm costs a starved window for certain, and a step up that did
+   not pay is undone. Also on a give-back's first window, against the windows of the config it left:
+   fewer workers make their batches no slower, so the rise is storage's, not the give-back's. The replay
+   covers the fit's latest 256 windows (``REPLAYED_WINDOWS``), so that a decision costs the same late in a
+   long fit as early: older ones are forgotten as new conditions would forget them.
 3. **Rebuild cap.** After ``max_rebuilds`` changes under the same conditions (in those 256 windows),
    nothing changes any more.
 4. **Judge the last change, on two windows.** More workers or deeper prefetch that lowered throughput
