@@ -3,8 +3,9 @@
 A window holds at least ``window_batches`` batches and ``window_seconds`` seconds at the last window's
 pace; the fit's first one is shorter (``first_batches``: judge the start config early). Windows close
 anywhere in an epoch and at every epoch end; an epoch's last window takes the tail when the tail would
-be shorter than half a window. A window longer than half ``window_batches`` (and 10 batches) also
-*looks* that often (the callback closes it early there when conditions changed); the fit's first window
+be shorter than half a window. A window longer than twice :attr:`WindowSchedule.look_every` (a fifth of
+``window_batches``, at least 10 batches and a twelfth of the window) also *looks* that often (the callback
+closes it early there when conditions changed); the fit's first window
 looks once, after :data:`EARLY_LOOK_BATCHES`, and closes there where the start config starves plainly
 (:func:`starved_start`). A window that only confirms a suspected change is as short as the decision
 says is enough (``length_after``).
@@ -35,8 +36,9 @@ WARMUP_FACTOR = 1.5  # a step this much slower than the window's settled pace is
 WARMUP_FLOOR_S = 0.005  # ... and at least this much slower (a few ms of noise on a sub-ms step is not warm-up)
 _FALLING = 0.67  # the last third of the settled steps this much faster than their first third: the pace still falls
 _MOST_SETTLING = 4  # a window whose pace still falls goes on to at most this many times its planned length
-LOOK_FRACTION = 0.5  # a long window looks for new conditions every this share of ``window_batches`` ...
+LOOK_FRACTION = 0.2  # a long window looks for new conditions every this share of ``window_batches`` ...
 LOOK_FEWEST = CONFIRM_BATCHES  # ... and at least this many batches apart (a look tells what a confirmation would)
+LOOK_PARTS = 12  # ... and no more looks than this in a window's planned length (its time: a quarter of 3 s)
 EARLY_LOOK_BATCHES = 6  # the fit's first window looks after this many batches (the warm-up rule's fewest steps) ...
 EARLY_STARVATION = 0.5  # ... and closes there from 0 workers where the loop waited at least this share of its time
 _EARLY_FEWEST = 4  # ... on at least this many batches after the warm-up
@@ -141,15 +143,15 @@ class WindowSchedule:
             mid_epoch: whether it may close before the epoch end (every rank reaches the batch, and the
                 loaders can switch there).
             seen: whether the fit already closed a window (else this is the first, ``first_batches`` long).
-            looks: whether a long window looks for new conditions every :attr:`look_every` batches (the
-                fit's first one, longer than :data:`EARLY_LOOK_BATCHES` and closing mid-epoch, once after
-                that many).
+            looks: whether a window longer than twice :attr:`look_every` looks for new conditions every
+                :attr:`look_every` batches (the fit's first one, longer than :data:`EARLY_LOOK_BATCHES` and
+                closing mid-epoch, once after that many).
         """
         self.end = self.look = NO_BATCH
         if not mid_epoch:
             return
         length = self.next_length
-        if looks and seen and length > self.look_every:
+        if looks and seen and length > 2 * self.look_every:  # a short (confirming) window is all one look
             self.look = first_batch + self.look_every - 1
         end = first_batch + length - 1
         tail = math.ceil(length / 2) if seen else length  # the first window: an epoch at least twice as long
@@ -161,13 +163,21 @@ class WindowSchedule:
 
     @property
     def look_every(self) -> int:
-        """Batches between a long window's looks: half ``window_batches``, at least :data:`LOOK_FEWEST`.
+        """Batches between a long window's looks: a fifth of ``window_batches``, at least :data:`LOOK_FEWEST`,
+        and at least a twelfth of the window's planned length (a quarter second at the default ``window_seconds``).
 
-        A slowdown inside a long window shows once the window's mean moved: looking every half
-        ``window_batches`` saw storage 3x slower 20 batches after it came, where looking every
-        ``window_batches`` saw it 25-54 batches after (one long epoch, from 2 workers).
+        A slowdown inside a long window shows once the window's mean moved. Looking every half
+        ``window_batches`` (25 at the default) saw storage 3x slower at an epoch start at batch 25, half of a
+        48-batch epoch at the old pace; looking every 10-12 sees it at batch 10-12 (the slowed phase 7.7 s
+        against 8.2-9.0 s, from 0 workers and from 16 x 8). A look weighs its fewer batches' noise (see
+        ``detect_shift(part=True)``), so looking more often did not make the simulated heavy-tailed or noisy
+        pipelines churn; but 10 sub-millisecond steps are milliseconds of the machine's noise: a look spans a
+        share of the window's time too (the planned length is ``window_seconds`` at the last window's pace),
+        which also bounds the looks (each a collective across ranks) to 12 a window.
         """
-        return max(LOOK_FEWEST, math.ceil(LOOK_FRACTION * self.window_batches))
+        return max(
+            LOOK_FEWEST, math.ceil(LOOK_FRACTION * self.window_batches), math.ceil(self.next_length / LOOK_PARTS)
+        )
 
     def looked(self, batch_idx: int) -> None:
         """The look at ``batch_idx`` found the same conditions: the next one, if the window goes on that long."""
