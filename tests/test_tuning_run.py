@@ -92,7 +92,10 @@ def test_new_conditions_are_seen_against_the_same_configs_windows():
     run, datamodule = starved_run()
     config = LoaderConfig(num_workers=4)
     datamodule.set_loader_config(config)
-    for step in (50, 100, 150):
+    run.close_window(config, window(0.5, 20, worker_ms=60), BUDGET, epoch=0, global_step=50)
+    # one earlier window has no spread to weigh a move against, and the decision would not judge it: no close
+    assert not run.closes_at_look(config, window(30, 20, worker_ms=200))
+    for step in (100, 150):
         run.close_window(config, window(0.5, 20, worker_ms=60), BUDGET, epoch=0, global_step=step)
     assert not run.closes_at_look(config, window(0.5, 20, worker_ms=60))
     assert run.closes_at_look(config, window(30, 20, worker_ms=200))  # storage three times slower

@@ -95,15 +95,16 @@ class TuningRun:
     def closes_at_look(self, config: Optional[LoaderConfig], stats: WindowStats) -> bool:
         """Whether the open window closes at this look: the fit's first starves plainly at 0 workers
         (:func:`~lightning_dltune.core.windows.starved_start`), a later one shows new conditions against
-        ``config``'s earlier windows, or, the first of a give-back, a measured cost that rose and starved the
-        loop against the windows of the config it left (:func:`~lightning_dltune.core.history.starved_rise`)."""
+        ``config``'s earlier windows (two at least, as the decision needs), or, the first of a give-back, a
+        measured cost that rose and starved the loop against the windows of the config it left
+        (:func:`~lightning_dltune.core.history.starved_rise`)."""
         if config is None or not stats.fetches:
             return False
         if not self.history:
             return starved_start(stats, config.num_workers)
         prior = same_conditions(self.history, config)
-        if prior:
-            return detect_shift(prior, stats, config.num_workers, part=True) is not None
+        if prior:  # as the decision sees a suspect: against two earlier windows at least (one has no spread)
+            return len(prior) >= 2 and detect_shift(prior, stats, config.num_workers, part=True) is not None
         given_back = given_back_from(self.history, config)  # a give-back's first window: against the config it left
         return starved_rise(given_back, stats, config.num_workers, self.settings, part=True) is not None
 
