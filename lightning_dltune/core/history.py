@@ -206,10 +206,10 @@ class _Replay:
             streak.before, streak.before_stats = previous.config, self.pooled[i - 1]
             streak.kind = change_kind(previous.config, config)
             streak.undo = previous.before == config and not previous.undo
-            fed = [w for _, w, _ in self.windows[max(previous.start, i - POOLED_WINDOWS) : i]]
             if streak.kind is ChangeKind.GIVE_BACK and config.num_workers > 0:
                 # fewer workers make their batches no slower: a measured cost that rose and starved the loop is
                 # new conditions (storage slowed as the give-back came), not the give-back's verdict
+                fed = [w for _, w, _ in self.windows[max(previous.start, i - POOLED_WINDOWS) : i]]
                 moved = starved_rise(fed, self.windows[i][1], config.num_workers, self.settings)
                 if moved is not None:
                     self._new_conditions(i, moved, i)

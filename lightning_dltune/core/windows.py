@@ -168,12 +168,12 @@ class WindowSchedule:
 
         A slowdown inside a long window shows once the window's mean moved. Looking every half
         ``window_batches`` (25 at the default) saw storage 3x slower at an epoch start at batch 25, half of a
-        48-batch epoch at the old pace; looking every 10-12 sees it at batch 10-12 (the slowed phase 7.7 s
-        against 8.2-9.0 s, from 0 workers and from 16 x 8). A look weighs its fewer batches' noise (see
+        48-batch epoch at the old pace; looking every 10-13 sees it at batch 10-13 (the slowed phase 7.4-7.8 s
+        against 8.2-9.0 s in replays, from 0 workers and from 16 x 8). A look weighs its fewer batches' noise (see
         ``detect_shift(part=True)``), so looking more often did not make the simulated heavy-tailed or noisy
         pipelines churn; but 10 sub-millisecond steps are milliseconds of the machine's noise: a look spans a
         share of the window's time too (the planned length is ``window_seconds`` at the last window's pace),
-        which also bounds the looks (each a collective across ranks) to 12 a window.
+        which also bounds the looks (each a collective across ranks) to at most 12 a window.
         """
         return max(
             LOOK_FEWEST, math.ceil(LOOK_FRACTION * self.window_batches), math.ceil(self.next_length / LOOK_PARTS)
