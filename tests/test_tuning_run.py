@@ -93,8 +93,9 @@ def test_new_conditions_are_seen_against_the_same_configs_windows():
     config = LoaderConfig(num_workers=4)
     datamodule.set_loader_config(config)
     run.close_window(config, window(0.5, 20, worker_ms=60), BUDGET, epoch=0, global_step=50)
-    # one earlier window has no spread to weigh a move against, and the decision would not judge it: no close
-    assert not run.closes_at_look(config, window(30, 20, worker_ms=200))
+    # one earlier window has no spread to weigh a move against: a move is news only where the loop now starves
+    assert not run.closes_at_look(config, window(0.5, 26, worker_ms=60))  # a step 30 % slower, still fed
+    assert run.closes_at_look(config, window(30, 20, worker_ms=200))
     for step in (100, 150):
         run.close_window(config, window(0.5, 20, worker_ms=60), BUDGET, epoch=0, global_step=step)
     assert not run.closes_at_look(config, window(0.5, 20, worker_ms=60))

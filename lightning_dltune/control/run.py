@@ -21,7 +21,14 @@ from typing import Any, Callable, Optional
 from lightning_dltune.control.budgets import cap_after_failure, less_the_other_side
 from lightning_dltune.control.switchable import FailureListener, SwitchableLoaders
 from lightning_dltune.core.config import LoaderConfig
-from lightning_dltune.core.history import CONFIRM_BATCHES, detect_shift, given_back_from, same_conditions, starved_rise
+from lightning_dltune.core.history import (
+    CONFIRM_BATCHES,
+    detect_shift,
+    given_back_from,
+    is_starved,
+    same_conditions,
+    starved_rise,
+)
 from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, Decision, PolicySettings, WindowRecord
 from lightning_dltune.core.stats import WindowStats
@@ -95,16 +102,19 @@ class TuningRun:
     def closes_at_look(self, config: Optional[LoaderConfig], stats: WindowStats) -> bool:
         """Whether the open window closes at this look: the fit's first starves plainly at 0 workers
         (:func:`~lightning_dltune.core.windows.starved_start`), a later one shows new conditions against
-        ``config``'s earlier windows (two at least, as the decision needs), or, the first of a give-back, a
-        measured cost that rose and starved the loop against the windows of the config it left
-        (:func:`~lightning_dltune.core.history.starved_rise`)."""
+        ``config``'s earlier windows (two, as the decision needs, or one where the loop now starves), or, the
+        first of a give-back, a measured cost that rose and starved the loop against the windows of the config
+        it left (:func:`~lightning_dltune.core.history.starved_rise`)."""
         if config is None or not stats.fetches:
             return False
         if not self.history:
             return starved_start(stats, config.num_workers)
         prior = same_conditions(self.history, config)
-        if prior:  # as the decision sees a suspect: against two earlier windows at least (one has no spread)
-            return len(prior) >= 2 and detect_shift(prior, stats, config.num_workers, part=True) is not None
+        if prior:
+            # against one earlier window (no spread to weigh a move against) a move is news only where the loop
+            # now starves: the decision acts on that (it judges the change that made the config, or adds)
+            moved = detect_shift(prior, stats, config.num_workers, part=True) is not None
+            return moved and (len(prior) >= 2 or is_starved(stats, self.settings))
         given_back = given_back_from(self.history, config)  # a give-back's first window: against the config it left
         return starved_rise(given_back, stats, config.num_workers, self.settings, part=True) is not None
 
