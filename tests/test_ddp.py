@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -44,10 +45,13 @@ def test_logged_starvation_is_the_slow_ranks(ddp_run):
 
 
 def test_only_rank_zero_writes(ddp_run):
-    out, _, output = ddp_run
+    out, ranks, output = ddp_run
     event_files = [f for _, _, files in os.walk(out / "tb") for f in files if f.startswith("events.out")]
     assert len(event_files) == 1
-    assert output.count("[dltune] epoch 1 |") == 1  # one console line an epoch, from rank zero only
+    # one console line a window, from rank zero only: ``epoch 1 |`` for a window closed at the epoch's end,
+    # ``epoch 1 to batch N |`` for one a look closed early (a busy machine's starvation moves where)
+    lines = [line for line in output.splitlines() if re.match(r"\[dltune\] epoch 1( to batch \d+)? \|", line)]
+    assert len(lines) == sum(1 for r in ranks[0]["history"] if r["epoch"] == 1) >= 1, lines
 
 
 def test_every_rank_applies_the_same_decision(ddp_run):

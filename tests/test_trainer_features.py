@@ -128,10 +128,12 @@ def check_val_once(model: SleepStepModule, runs: int, length: int = VAL) -> None
 
 
 def check_tuned(trainer: pl.Trainer, tuner: DataLoaderTuner) -> None:
-    # the start was seen starved: by the 4-batch first window, or, where that one held a slow first step
-    # (too few steps to leave warm-up out; bf16's first step on a busy machine), by the epoch's next window
+    # the start was seen starved, below the band (the data costs 12 ms a batch, the step 2 ms plus Lightning's
+    # own): by the 4-batch first window, or, where that one held a slow first step (too few steps to leave
+    # warm-up out; bf16's first step on a busy machine), by the epoch's next window; a first window diluted
+    # by that step (20-30 % starved) is still below the band, and is acted on
     start = [r for r in tuner.history if r.num_workers == tuner.history[0].num_workers == 0]
-    assert any(r.starvation_ratio > 0.3 for r in start)
+    assert any(r.starvation_ratio > 1 - tuner.band[0] for r in start)
     assert max(r.num_workers for r in tuner.history) > 0  # and the tuner added workers
     assert {"dltune/starvation_ratio", "dltune/gpu_util", "dltune/num_workers"} <= logged_metrics(trainer)
 
