@@ -11,6 +11,7 @@ a field added to :class:`WindowStats` (or to a subclass) is pooled, reduced and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from enum import Enum
@@ -211,14 +212,19 @@ S = TypeVar("S", bound=WindowStats)
 # Derived from the declarations
 
 
+@functools.cache
+def _pooling(cls: type) -> tuple[tuple[str, Pool], ...]:
+    """Each field of ``cls`` with how it pools (a decision pools windows hundreds of times: read once)."""
+    return tuple((f.name, f.metadata.get("pool", Pool.LATEST)) for f in dataclasses.fields(cls))
+
+
 def pool_windows(windows: Sequence[S]) -> S:
     """Consecutive windows of one config as one, each field as it declares (:class:`Pool`)."""
     latest = windows[-1]
     if len(windows) == 1:
         return latest
     values = {}
-    for f in dataclasses.fields(latest):
-        pool, name = f.metadata.get("pool", Pool.LATEST), f.name
+    for name, pool in _pooling(type(latest)):
         if pool is Pool.SUM:
             values[name] = sum(getattr(w, name) for w in windows)
         elif pool is Pool.MEAN:
