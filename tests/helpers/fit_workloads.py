@@ -23,10 +23,9 @@ class SleepyDataset(Dataset):
     """``length`` samples of ``dim`` floats; producing one batch sleeps ``batch_cost_s`` (``__getitems__``).
 
     Every ``slow_every``-th batch (by first index) costs ``slow_factor`` times more (bursty storage).
-    From ``slow_after_s`` seconds after the dataset was made on, every batch costs ``slower`` times more
-    (storage that slows down mid-fit; wall-clock time is the same in every worker process), or from the moment
-    the file ``slow_once`` exists (a test's callback creates it when the fit is where the change should come,
-    whatever the machine's pace).
+    From the moment the file ``slow_once`` exists, every batch costs ``slower`` times more (storage that slows
+    down mid-fit: a test's callback creates the file where the fit should meet the change, whatever the
+    machine's pace; every worker process sees it).
     """
 
     def __init__(
@@ -37,7 +36,6 @@ class SleepyDataset(Dataset):
         slow_every: int = 0,
         slow_factor: float = 1.0,
         fail_in_worker_above: Optional[int] = None,
-        slow_after_s: Optional[float] = None,
         slower: float = 1.0,
         slow_once: Optional[str] = None,
     ) -> None:
@@ -47,7 +45,6 @@ class SleepyDataset(Dataset):
         self.slow_every = slow_every
         self.slow_factor = slow_factor
         self.fail_in_worker_above = fail_in_worker_above
-        self.slow_at = None if slow_after_s is None else time.time() + slow_after_s
         self.slower = slower
         self.slow_once = slow_once
 
@@ -68,9 +65,7 @@ class SleepyDataset(Dataset):
         cost = self.batch_cost_s
         if self.slow_every and (indices[0] // max(1, len(indices))) % self.slow_every == 0:
             cost *= self.slow_factor
-        if (self.slow_at is not None and time.time() >= self.slow_at) or (
-            self.slow_once is not None and os.path.exists(self.slow_once)
-        ):
+        if self.slow_once is not None and os.path.exists(self.slow_once):
             cost *= self.slower
         if cost:
             time.sleep(cost)
