@@ -355,6 +355,34 @@ def test_shm_exhaustion_in_a_worker_is_a_machinery_failure():
     assert "No space left on device" in result["raised"] and result["machinery"] is True
 
 
+@pytest.mark.slow
+@needs_small_shm
+def test_a_batch_that_cannot_reach_the_training_process_is_raised_there_not_waited_for():
+    # a collate_fn that builds plain tensors: each moves to /dev/shm in the worker queue's thread, where
+    # torch alone prints the error, drops the batch and leaves the training process waiting forever
+    result = run_with_small_shm(
+        """
+        import json, torch
+        from torch.utils.data import DataLoader, Dataset
+        from lightning_dltune.loaders.adopt import TimedWorkerInit
+        from lightning_dltune.loaders.loader import ProductionCounters
+        from lightning_dltune.loaders.torch_internals import is_machinery_failure
+        class Big(Dataset):
+            def __len__(self): return 16
+            def __getitem__(self, i): return torch.zeros(3 * 2**18)  # 3 MB a sample
+        def stack(samples): return torch.stack(samples) + 0  # 6 MB a batch, outside shared memory
+        loader = DataLoader(Big(), batch_size=2, num_workers=2, collate_fn=stack,
+                            worker_init_fn=TimedWorkerInit(None, ProductionCounters()))  # an adopted loader's
+        try:
+            print(json.dumps({"raised": None, "batches": len(list(loader))}))
+        except Exception as exc:
+            print(json.dumps({"raised": str(exc)[-300:], "machinery": is_machinery_failure(exc)}))
+    """,
+        timeout=120,
+    )
+    assert "No space left on device" in result["raised"] and result["machinery"] is True
+
+
 _SHM_FIT = """
     import json, warnings
     import lightning.pytorch as pl
@@ -362,6 +390,9 @@ _SHM_FIT = """
     from lightning.pytorch.callbacks import Callback
     from lightning_dltune import DataLoaderTuner, LoaderConfig
     from fit_workloads import SleepStepModule, SleepyDataModule, SleepyDataset
+
+    def stack(samples):  # plain tensors: they move to /dev/shm in the worker queue's thread, not in collate
+        return {{"x": torch.stack([s["x"] for s in samples]), "index": torch.tensor([s["index"] for s in samples])}}
 
     class Big(SleepyDataset):  # {mb} MB a sample
         def __getitem__(self, i):
@@ -402,10 +433,13 @@ _SHM_FIT = """
 
 @pytest.mark.slow
 @needs_small_shm
-def test_a_rebuild_that_fills_dev_shm_goes_back_with_every_sample_once():
-    # 3 MB samples, 6 MB batches: 2 workers x prefetch 2 need 24 MB of an 8 MB /dev/shm
-    script = _SHM_FIT.format(mb=3, force={"num_workers": 2, "prefetch_factor": 2}, start="num_workers=0", tuner=False)
-    result = run_with_small_shm(script, shm="8m")
+@pytest.mark.parametrize("collate", ["default_collate", "stack"])
+def test_a_rebuild_that_fills_dev_shm_goes_back_with_every_sample_once(collate):
+    # 3 MB samples, 6 MB batches: 2 workers x prefetch 2 need 24 MB of an 8 MB /dev/shm. default_collate fails
+    # making a batch in shared memory; "stack" makes it outside, and the worker's queue fails to send it
+    start = "num_workers=0" + (", loader_kwargs={'collate_fn': stack}" if collate == "stack" else "")
+    script = _SHM_FIT.format(mb=3, force={"num_workers": 2, "prefetch_factor": 2}, start=start, tuner=False)
+    result = run_with_small_shm(script, shm="8m", timeout=150)
     assert len(result["went_back"]) == 1 and "No space left on device" in result["went_back"][0]
     assert result["train"] == [list(range(24))] * 2 and result["val"] == [list(range(6))] * 2
     assert result["workers"] == [0, 0]

@@ -35,6 +35,7 @@ from lightning_dltune.loaders.switch import loader_config_of, reconfigure
 from lightning_dltune.loaders.torch_internals import (
     index_sampler_of,
     order_is_replayable,
+    raise_unsent_batches,
     shutdown_workers,
     time_worker_fetches,
 )
@@ -67,6 +68,7 @@ class TimedWorkerInit:
         if self.worker_init_fn is not None:
             self.worker_init_fn(worker_id)  # the user's errors reach the fit as they are
         quiet_fd_server_resets()
+        raise_unsent_batches()
         time_worker_fetches(self.counters.add)
 
 

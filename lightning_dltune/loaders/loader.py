@@ -33,6 +33,7 @@ from lightning_dltune.loaders.torch_internals import (
     RestOfEpoch,
     index_sampler_of,
     iterate_over,
+    raise_unsent_batches,
     replay_order,
     shutdown_iterator,
 )
@@ -207,8 +208,9 @@ class TimedCollate:
 
     def __call__(self, samples: Any) -> Any:
         global _batch_started
-        if not _quiet_resets and get_worker_info() is not None:
+        if not _quiet_resets and get_worker_info() is not None:  # this worker's first batch, before its first send
             quiet_fd_server_resets()
+            raise_unsent_batches()
         batch = self.collate_fn(samples)
         if _batch_started is not None:
             wall0, cpu0 = _batch_started

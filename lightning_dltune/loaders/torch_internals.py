@@ -22,11 +22,15 @@ What this module relies on (torch 2.1 to 2.13):
   worker's traceback as text after ``"Original Traceback"``.
 - A worker makes each batch in ``fetch()`` of ``_utils.fetch._MapDatasetFetcher`` or
   ``_IterableDatasetFetcher`` (dataset reads and ``collate_fn``), created after ``worker_init_fn`` ran.
+- A worker sends each result as ``(task, batch)`` through a ``multiprocessing`` queue, whose background
+  thread pickles it and hands an error to ``Queue._on_queue_feeder_error(exc, obj)`` (standard library,
+  Python 3.8 to 3.13), bound when the thread starts at the worker's first send.
 """
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing.queues
 import os
 import re
 import time
@@ -35,7 +39,8 @@ from collections import deque
 from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader
+from torch._utils import ExceptionWrapper
+from torch.utils.data import BatchSampler, DataLoader, get_worker_info
 from torch.utils.data import dataloader as _dataloader_module
 from torch.utils.data._utils import fetch as _fetch
 from torch.utils.data._utils import signal_handling as _signal_handling
@@ -387,6 +392,37 @@ def time_worker_fetches(record: Callable[[float, float], None]) -> None:
         cls.fetch = timed
 
 
+def raise_unsent_batches() -> None:
+    """In a loader worker, before its first send: a batch that cannot be sent is raised in the training
+    process, where torch would lose it and leave the training process waiting for it forever.
+
+    A worker puts each batch on a queue whose background thread pickles it. With torch's
+    ``file_descriptor`` sharing, pickling moves every tensor not yet in shared memory there (a batch
+    ``default_collate`` made already is; a tensor a ``collate_fn`` or the dataset built is not). When
+    ``/dev/shm`` is full that move fails in the thread, which prints the error and drops the batch; the
+    worker lives on, so torch (which only watches for dead workers) never raises. Here the thread sends
+    the error in the batch's place, as torch sends an error raised while making a batch: the training
+    process raises it at that batch (and a loader switch rolls back). Anything the queue carries that is
+    not a worker's ``(task, result)`` goes to the standard library's handler as before.
+    """
+    queue_class = multiprocessing.queues.Queue
+    report = queue_class.__dict__["_on_queue_feeder_error"]
+    if getattr(report, "sends_unsent_batches", False):
+        return
+    print_error = report.__func__ if isinstance(report, staticmethod) else report
+
+    def send_error_instead(queue: Any, exc: BaseException, obj: Any) -> None:
+        info = get_worker_info()
+        if info is None or not (isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], int)):
+            print_error(exc, obj)
+            return
+        where = f"in DataLoader worker process {info.id}"
+        queue.put((obj[0], ExceptionWrapper(exc_info=(type(exc), exc, exc.__traceback__), where=where)))
+
+    send_error_instead.sends_unsent_batches = True  # type: ignore[attr-defined]
+    queue_class._on_queue_feeder_error = send_error_instead  # type: ignore[method-assign]
+
+
 def write_summary(writer: Any, summary: Any) -> None:
     """A summary proto into a torch ``SummaryWriter``'s event file (``_get_file_writer()``, as its own
     ``add_custom_scalars`` does; that one takes a single series per margin chart)."""
@@ -417,6 +453,8 @@ def check_torch_internals() -> None:
 
     if not callable(getattr(SummaryWriter, "_get_file_writer", None)):
         missing.append("torch.utils.tensorboard.SummaryWriter._get_file_writer")
+    if "_on_queue_feeder_error" not in vars(multiprocessing.queues.Queue):
+        missing.append("multiprocessing.queues.Queue._on_queue_feeder_error")
     for path in _MACHINERY_FILES:
         if not os.path.exists(path):
             missing.append(path)
