@@ -168,9 +168,13 @@ def _spellings(option: str) -> tuple[str, ...]:
 
 
 def _import_from_cwd() -> None:
-    """Let class paths name modules of the current directory, after installed packages."""
+    """Let class paths name modules of the current directory, after installed packages.
+
+    By its absolute path: jsonargparse imports a config's class paths from the config file's folder (it
+    changes into it), where an entry ``""`` (``python -c``, a notebook) would no longer name this directory.
+    """
     cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
+    if cwd not in sys.path:
         sys.path.append(cwd)
 
 

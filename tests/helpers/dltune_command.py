@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -42,3 +43,68 @@ def run_module(*args: str, tmp: Path, timeout: float = 300) -> subprocess.Comple
         text=True,
         timeout=timeout,
     )
+
+
+# One Python process runs many short commands (a bad option, ``--help``): each is the console script's own
+# entry point, ``main()`` with ``sys.argv`` as the script sets it, its stdout and stderr caught at the file
+# descriptors, so Lightning's logging handlers are caught too. Starting Lightning takes seconds; a command
+# that stops at its parser takes a fraction of one. The launchers themselves are tested by run_script and
+# run_module.
+_MANY = r"""
+import json, os, sys
+sys.path.append(sys.path.pop(0))  # as the installed script: the current directory is not searched first
+from lightning_dltune.cli.command import main
+
+runs, out, SCRIPT = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+results = []
+for k, (args, cwd) in enumerate(runs):
+    os.chdir(cwd)
+    saved = os.dup(1), os.dup(2)
+    files = [os.path.join(out, f"{k}.{name}") for name in ("out", "err")]
+    for fd, path in zip((1, 2), files):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = [SCRIPT, *args]
+    try:
+        code = main()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+    results.append(code)
+with open(os.path.join(out, "codes.json"), "w") as f:
+    json.dump(results, f)
+"""
+
+
+def run_many(
+    runs: list[list[str]], tmp: Path, cwd: Path = REPO, timeout: float = 300
+) -> list[subprocess.CompletedProcess]:
+    """Run ``dltune`` once per word list in ``runs``, one after another in one Python process (see ``_MANY``).
+
+    Only for commands that stop before a fit starts (a fit's workers and loggers outlive nothing here, but
+    they would share the process); each result is what that one command printed and its exit status.
+    """
+    out = tmp / "run_many"
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MANY, json.dumps([[r, str(cwd)] for r in runs]), str(out), str(DLTUNE_SCRIPT)],
+        cwd=cwd,
+        env=command_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0 and (out / "codes.json").is_file(), proc.stderr[-3000:]
+    codes = json.loads((out / "codes.json").read_text())
+    return [
+        subprocess.CompletedProcess(
+            [str(DLTUNE_SCRIPT), *args], code, (out / f"{k}.out").read_text(), (out / f"{k}.err").read_text()
+        )
+        for k, (args, code) in enumerate(zip(runs, codes))
+    ]
