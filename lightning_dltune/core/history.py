@@ -8,6 +8,7 @@ best median there. The decision, the end-of-fit table and the recommendation all
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass
@@ -413,7 +414,13 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int, p
     the whole windows it is compared with: their standard deviation is scaled by the square root of their
     mean batches over its batches.
     """
-    prior = [w for w in prior if w.batches > 0]
+    return _detect_shift(tuple(w for w in prior if w.batches > 0), new, workers, part)
+
+
+# each decision replays the fit's windows, judging the same windows against the same earlier ones as the
+# decision before it did (all frozen): the answers are kept, a replay asks a few hundred
+@functools.lru_cache(maxsize=4096)
+def _detect_shift(prior: tuple[WindowStats, ...], new: WindowStats, workers: int, part: bool) -> Optional[Shift]:
     if not prior or new.batches <= 0:
         return None
     noise = max(1.0, math.sqrt(sum(w.batches for w in prior) / len(prior) / new.batches)) if part else 1.0

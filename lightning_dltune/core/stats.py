@@ -220,9 +220,16 @@ def _pooling(cls: type) -> tuple[tuple[str, Pool], ...]:
 
 def pool_windows(windows: Sequence[S]) -> S:
     """Consecutive windows of one config as one, each field as it declares (:class:`Pool`)."""
-    latest = windows[-1]
     if len(windows) == 1:
-        return latest
+        return windows[0]
+    return _pooled(tuple(windows))
+
+
+# A decision replays the fit's windows, so the next decision pools the same runs of windows again: the
+# windows are frozen, the pool is a pure function of them, and a replay pools a few hundred runs.
+@functools.lru_cache(maxsize=4096)
+def _pooled(windows: tuple[S, ...]) -> S:
+    latest = windows[-1]
     values = {}
     for name, pool in _pooling(type(latest)):
         if pool is Pool.SUM:
