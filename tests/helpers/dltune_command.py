@@ -87,8 +87,8 @@ def run_many(
 ) -> list[subprocess.CompletedProcess]:
     """Run ``dltune`` once per word list in ``runs``, one after another in one Python process (see ``_MANY``).
 
-    Only for commands that stop before a fit starts (a fit's workers and loggers outlive nothing here, but
-    they would share the process); each result is what that one command printed and its exit status.
+    Only for commands that stop before a fit starts: a fit's loader workers, loggers and threads would share
+    the process with the commands after it. Each result is what that one command printed and its exit status.
     """
     out = tmp / "run_many"
     out.mkdir(parents=True, exist_ok=True)
