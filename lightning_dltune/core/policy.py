@@ -91,7 +91,11 @@ How :func:`decide` thinks, first rule that applies wins:
    make the measured rate at their mean cost. The estimate (1 - starvation) cannot climb past the band where
    every fetch pays a fixed hand-over cost: a queue that never ran dry, fed by workers with twice the
    capacity needed, is slack in the band all the same, and is given back by the throughput it keeps alone
-   (not by the band's top, which the estimate cannot reach).
+   (not by the band's top, which the estimate cannot reach). Fewer workers pay that hand-over alike and 0
+   workers not at all (no batch leaves the training process): there the rate the loop measured, which the
+   model has no term for the hand-over in, is what 0 workers must keep, so a batch cheaper to make in the
+   loop than to take from a worker goes back to 0 workers (a 0.5 ms batch behind a 20 ms step held 1 worker
+   at 92 % busy, where 0 workers run at 98 %).
 8. **In the band**, or not clearly outside it: hold, with four exceptions. Window after window below
    the band's low edge (four or more pooled, below it by twice their standard error) adds throughput
    as in 5 where the step is expected to gain twice ``min_gain``. On CPUs measured busy with more
@@ -999,9 +1003,14 @@ def _leanest_keeping(case: _Case, prefetch: int, above: bool) -> Optional[tuple[
     # (production that drifted fast) is not slack
     doubt = 1.0 + 2.0 * case.fit.cost_error
     cautious = replace(model, cpu_s=model.cpu_s * doubt, io_s=model.io_s * doubt)
+    # a loop that waited although its batches were ready when asked paid each batch's hand-over from a worker
+    # (unpickled out of shared memory), which the model has no term for and fewer workers pay alike; with 0
+    # workers no batch leaves the training process: there the measured rate, not the model's, is what to keep
+    handed_over = stats.stall_fraction <= _DRY_QUEUE and 0.0 < model.rate < now
     for fewer in range(0, workers):
         candidate = current.replace(num_workers=fewer, prefetch_factor=prefetch if fewer else current.prefetch_factor)
-        kept = cautious.throughput(fewer, candidate.prefetch_factor) / now
+        yardstick = model.rate if handed_over and not fewer else now
+        kept = cautious.throughput(fewer, candidate.prefetch_factor) / yardstick
         predicted = stats.utilization * kept
         if kept < keep or predicted < keep * best or (above and predicted < settings.band[1] + settings.hysteresis):
             continue

@@ -18,6 +18,9 @@ does not already assume.
 * The training step takes ``step_s`` (an accelerator step: CPU contention does not slow it) times
   ``step_slowdown`` (a scenario's way to say that a busy host slows the training process's own step too).
 * ``W = 0``: the training process makes each batch inside the fetch, sharing the cores with ``busy_cores``.
+* **Hand-over**: with workers the training process spends ``handover_s`` taking each batch from the
+  worker's queue (unpickling it out of shared memory) before the step, a wait even for a batch that was
+  ready when asked; with 0 workers there is none (the batch never leaves the process).
 * Noise: each window draws one drift for production and one for the step, and each batch jitters on
   top; both uniform within ``+-noise``. ``spread`` gives a batch's production cost a spread of its own
   (log-normal, mean 1, ``spread`` its coefficient of variation, from its own random stream): storage
@@ -72,6 +75,7 @@ class Pipeline:
         step_slowdown: factor on every step (contention slowing the training process itself).
         spread: coefficient of variation of each batch's production cost (``0.4``: a log-normal factor of
             mean 1 and standard deviation 0.4), independent of ``noise``; ``0``: none.
+        handover_s: seconds the training process needs to take a batch from a worker (with workers only).
     """
 
     cpu_s: float
@@ -90,6 +94,7 @@ class Pipeline:
     busy_cores: float = 0.0
     step_slowdown: float = 1.0
     spread: float = 0.0
+    handover_s: float = 0.0
 
     @property
     def cpu_share(self) -> float:
@@ -248,10 +253,10 @@ def _run_workers(
         nonlocal taken, step_end, ready
         i = taken
         ready -= 1
-        waits[i] = now - asked_at
+        waits[i] = now - asked_at + pipeline.handover_s
         taken += 1
         hand_out(i + workers * config.prefetch_factor)
-        step_end = now + steps[i]
+        step_end = now + pipeline.handover_s + steps[i]
 
     def ask() -> None:
         nonlocal asked_at, step_end
