@@ -69,7 +69,10 @@ How :func:`decide` thinks, first rule that applies wins:
    fewer workers though they came out under busy: nothing up is left to measure there. Past the workers
    the CPUs carry (on that evidence) stalls are the contention's, and get the cut, not deeper prefetch. Workers
    also stop where the last increase gained less than ``min_gain`` although the model (or, for a measured
-   step, the delivery) expected at least twice that, or at the budget; memory may cap them. Bursty stalls
+   step, the delivery) expected at least twice that, or at the budget; memory may cap them. That stop is
+   called CPU-bound only where the CPUs were measured busy; where they were not, bursty stalls still get
+   deeper prefetch first (a first window that met no slow batch makes a step up look as if it did not
+   pay). Bursty stalls
    (most fetches find a batch ready, some find none, the workers make enough on average) get deeper
    prefetch instead; a wait without a single stall is each batch's hand-over, which no depth shortens. Where
    prefetched batches are a noticeable share (a quarter) of the memory budget, new workers start at
@@ -447,9 +450,7 @@ def _judge_last_change(case: _Case) -> Optional[_Rule]:
         }
         if not last.confirmed:  # one window is noise until a second agrees
             return current, case.held, Reason(ReasonKind.CONFIRM_SLOWER, numbers)
-        more_workers = last.kind is ChangeKind.MORE_WORKERS
-        verdict = Verdict.DATA_BOUND_CPU if more_workers else case.held
-        return last.before, verdict, Reason(ReasonKind.UNDO_SLOWER, {**numbers, "windows": last.windows})
+        return last.before, case.held, Reason(ReasonKind.UNDO_SLOWER, {**numbers, "windows": last.windows})
     # a cut taken on a starved window (at measured saturation) is judged by its speed alone, and its memory saved is
     # certain where its loss is noise: lost beyond twice the standard error of its windows' utilization too
     cut_while_starved = is_starved(last.before_stats, settings)
@@ -563,7 +564,12 @@ def _add_throughput(case: _Case) -> _Rule:
     starved = {"starvation": stats.starvation_ratio, "windows": fit.windows, "workers": case.current.num_workers}
     # past the workers the CPUs carry, stalls come from the contention: no deeper prefetch, the cut of 5 first
     bursts = None if _oversubscribed(case) else _deeper_prefetch(case, starved)
-    return _stopped_helping(case) or bursts or _more_workers(case, starved)
+    stopped = _stopped_helping(case)
+    if stopped is not None and stopped[2].kind is ReasonKind.STOPPED_HELPING and not case.cpu_bound:
+        # more workers did not pay, yet nothing measured the CPUs busy: no saturation, and bursts that stall the
+        # loop still earn deeper prefetch (a burst every tenth batch held 1 worker x prefetch 2 an epoch longer)
+        return bursts or stopped
+    return stopped or bursts or _more_workers(case, starved)
 
 
 def _stopped_helping(case: _Case) -> Optional[_Rule]:
@@ -592,7 +598,9 @@ def _stopped_helping(case: _Case) -> Optional[_Rule]:
             Verdict.DATA_BOUND_CPU,
             Reason(ReasonKind.STOPPED_HELPING, {**numbers, "to": pair(last.before)}),
         )
-    return current, Verdict.DATA_BOUND_CPU, Reason(ReasonKind.STOPPED_HELPING, numbers)
+    # CPU saturation only where the CPUs were measured busy: else the workers' limit is storage's or the loop's
+    numbers["cpu_bound"] = case.cpu_bound
+    return current, case.data_verdict, Reason(ReasonKind.STOPPED_HELPING, numbers)
 
 
 def _deeper_prefetch(case: _Case, starved: dict) -> Optional[_Rule]:
@@ -798,8 +806,10 @@ def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling
     if limit == ceiling:
         return (
             current,
-            Verdict.DATA_BOUND_CPU,
-            Reason(ReasonKind.AT_WORKER_CEILING, {**starved, "ceiling": fit.worker_ceiling}),
+            case.data_verdict,
+            Reason(
+                ReasonKind.AT_WORKER_CEILING, {**starved, "ceiling": fit.worker_ceiling, "cpu_bound": case.cpu_bound}
+            ),
         )
     measured = None
     if limit == cpu_limit and not case.cpu_bound and workers < reach:

@@ -375,12 +375,14 @@ _WORDS = {
             f"the pipeline is CPU-bound, back to {_short(v['to'])} (the CPUs are busy)"
             if "to" in v
             else f"the pipeline is CPU-bound, staying at {v['workers']}"
+            if v.get("cpu_bound", True)
+            else f"more workers do not pay here though the CPUs are not busy, staying at {v['workers']}"
         )
     ),
     ReasonKind.DEEPER_PREFETCH: _bursts,
     ReasonKind.AT_WORKER_CEILING: lambda v: (
-        f"{_starved(v)} with {_workers(v['workers'])}, but adding workers stopped helping at {v['ceiling']}: "
-        "the pipeline is CPU-bound"
+        f"{_starved(v)} with {_workers(v['workers'])}, but adding workers stopped helping at {v['ceiling']}"
+        + (": the pipeline is CPU-bound" if v.get("cpu_bound", True) else " (the CPUs are not busy): holding")
     ),
     ReasonKind.OVERSUBSCRIBED: _oversubscribed,
     ReasonKind.CPUS_SATURATED: lambda v: (
