@@ -52,6 +52,15 @@ def test_a_hold_at_the_cpus_says_cpu_bound_only_where_the_cpus_are_measured_busy
     assert "CPU-bound" in busy and "CPU-bound" not in counted and "holding" in counted
 
 
+def test_workers_that_stopped_helping_say_cpu_bound_only_where_the_cpus_are_measured_busy():
+    stopped = {"from_workers": 1, "workers": 2, "gain": 0.02, "min_gain": 0.05}
+    ceiling = {"util": 0.7, "low": 0.85, "starvation": 0.3, "windows": 2, "workers": 2, "ceiling": 2}
+    for kind, numbers in ((ReasonKind.STOPPED_HELPING, stopped), (ReasonKind.AT_WORKER_CEILING, ceiling)):
+        busy = reason_text(Reason(kind, {**numbers, "cpu_bound": True}))
+        idle = reason_text(Reason(kind, {**numbers, "cpu_bound": False}))
+        assert "CPU-bound" in busy and "CPU-bound" not in idle and "not busy" in idle
+
+
 def test_a_step_up_sized_by_the_loops_delivery_says_it_is_measured():
     stats = window(41, worker_batch_s=0.041, worker_cpu_fraction=0.1)
     reason = decide(LoaderConfig(), stats, Budget(32, cpus=64)).reason
