@@ -65,13 +65,15 @@ def test_a_start_at_0_workers_less_than_half_starved_keeps_the_whole_first_windo
 
 
 def test_more_workers_mid_epoch_take_over_the_batches_the_old_ones_held(trainer_kwargs):
-    # 1 worker x prefetch 8 of 40 ms batches against a 10 ms step: the first window asks for more workers at
+    # 1 worker x prefetch 8 of 160 ms batches against a 40 ms step: the first window asks for more workers at
     # batch 10, while the old worker holds up to 8 batches it would make at its starving pace. The new workers
-    # make them instead: nothing is drained, every batch is the new config's, and the loop waits clearly less
+    # make them instead: nothing is drained, every batch is the new config's, and the loop waits clearly less.
+    # (A step several times a batch's hand-over from a worker, which costs the loop a few ms here and up to
+    # 10 ms beside a CPU hog, whatever the worker count: a 10 ms step left a floor of 40 % starved there.)
     dm = SleepyDataModule(
-        train_length=800, val_length=4, batch_cost_s=0.04, batch_size=4, num_workers=1, prefetch_factor=8
+        train_length=600, val_length=4, batch_cost_s=0.16, batch_size=4, num_workers=1, prefetch_factor=8
     )
-    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.01, epochs=1)
+    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.04, epochs=1)
     first, second = tuner.history[0], tuner.history[1]
     assert first.end_batch == 10 and second.config.num_workers > 1
     assert second.stats.drained_batches == 0
@@ -80,13 +82,15 @@ def test_more_workers_mid_epoch_take_over_the_batches_the_old_ones_held(trainer_
 
 
 def test_the_window_after_a_give_back_mid_epoch_leaves_out_the_batches_the_old_workers_held(trainer_kwargs):
-    # 4 workers x prefetch 8 of 5 ms batches against a 20 ms step: slack, given back mid-epoch once confirmed;
-    # the 4 old workers still hold up to 32 batches, which they deliver: those are left out of the next window
-    # (on a busy machine the 4 workers' start may starve the first window: more workers first, then the cut)
+    # 4 workers x prefetch 2 of 5 ms batches against a 300 ms step: slack, given back mid-epoch once confirmed;
+    # the 4 old workers still hold up to 8 batches, which they deliver: those are left out of the next window.
+    # The step dwarfs a batch's hand-over from a worker (a few ms, up to 10 beside a CPU hog), so the slack is
+    # plain on a busy machine too (98 % busy there; a 20 ms step read 70-80 % and got more workers instead)
     dm = SleepyDataModule(
-        train_length=2400, val_length=4, batch_cost_s=0.005, batch_size=4, num_workers=4, prefetch_factor=8
+        train_length=160, val_length=4, batch_cost_s=0.005, batch_size=4, num_workers=4, prefetch_factor=2
     )
-    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.02, epochs=1)
+    tuner = DataLoaderTuner(verbose=False, window_batches=8, window_seconds=0.1)
+    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.3, epochs=1, tuner=tuner)
     history = tuner.history
     cut = next(
         i for i, r in enumerate(history) if r.end_batch is not None and r.next_config.num_workers < r.config.num_workers
@@ -95,7 +99,7 @@ def test_the_window_after_a_give_back_mid_epoch_leaves_out_the_batches_the_old_w
     assert after.config.num_workers < before.config.num_workers  # the cut ran
     held = before.config.num_workers * before.config.prefetch_factor
     assert 1 <= after.stats.drained_batches <= held, after.stats
-    assert after.stats.all_batches == (after.end_batch or 600) - before.end_batch
+    assert after.stats.all_batches == (after.end_batch or 40) - before.end_batch
 
 
 def test_a_step_bound_pipeline_gets_no_extra_workers(trainer_kwargs):
@@ -159,20 +163,23 @@ class _StorageSlowsOnceSettled(pl.Callback):
 
 
 def test_one_long_epoch_whose_storage_slows_half_way_gets_more_workers_before_it_ends(trainer_kwargs, tmp_path):
-    # a single 600-batch epoch (the shape of a real job: few, long epochs); storage latency x4 once settled
+    # a single 200-batch epoch (the shape of a real job: few, long epochs); storage latency x4 once settled:
+    # 60 ms -> 240 ms a batch against a 40 ms step (a step several times a batch's hand-over from a worker,
+    # which costs the loop up to 10 ms beside a CPU hog whatever the worker count: against a 10 ms step that
+    # floor alone drove the workers to the budget's 7 before the storage slowed)
     flag = tmp_path / "storage-slowed"
     dm = SleepyDataModule(
-        train_length=2400,
+        train_length=800,
         val_length=4,
-        batch_cost_s=0.015,
+        batch_cost_s=0.06,
         batch_size=4,
         num_workers=0,
         dataset_kwargs={"slow_once": str(flag), "slower": 4.0},
     )
-    # windows of 1 s (~80 batches) that look for new conditions every 20 batches
-    tuner = DataLoaderTuner(verbose=False, window_batches=20, window_seconds=1.0)
+    # windows of 1 s (~22 batches) that look for new conditions every 8 batches
+    tuner = DataLoaderTuner(verbose=False, window_batches=8, window_seconds=1.0)
     storage = _StorageSlowsOnceSettled(tuner, flag)
-    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.01, epochs=1, tuner=tuner, extra_callbacks=[storage])
+    tuner, _ = _fit(trainer_kwargs, dm, step_s=0.04, epochs=1, tuner=tuner, extra_callbacks=[storage])
     windows = tuner.history
     shown = [(r.config.num_workers, round(r.starvation_ratio, 2), reason_text(r.reason)[:80]) for r in windows]
     assert storage.at is not None and all(r.epoch == 0 for r in windows), shown
