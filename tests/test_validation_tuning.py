@@ -71,9 +71,14 @@ class _IdsPerLoader(SleepStepModule):
         time.sleep(self.val_step_s)
 
 
+TRAIN_STEP_S = 0.04  # training's batches cost nothing to make: fed at 0 workers, beside a CPU hog too
+
+
 def _fit(trainer_kwargs, data_cls=SleepyDataModule, model_cls=SleepStepModule, **trainer_args):
+    # (a batch made in the loop costs 2-5 ms beside a CPU hog: a 20 ms step read 85-90 % busy there, at the band's
+    # edge, and training sometimes got a worker, which sized validation's start)
     tuner = DataLoaderTuner(window_batches=10, window_seconds=0.2, max_workers=4)
-    model = model_cls(step_s=0.02, val_step_s=0.001, record_indices=True)
+    model = model_cls(step_s=TRAIN_STEP_S, val_step_s=0.001, record_indices=True)
     data = data_cls(train_length=TRAIN, val_length=VAL, batch_size=BATCH, val_batch_cost_s=VAL_COST_S)
     trainer = pl.Trainer(callbacks=[tuner], **{**trainer_kwargs, **trainer_args})
     trainer.fit(model, datamodule=data)
@@ -95,7 +100,10 @@ def test_a_starved_validation_loader_gets_workers_of_its_own_and_training_keeps_
         tuner, model, data = _fit(trainer_kwargs, max_epochs=2, val_check_interval=0.5, logger=logger)
     runs = tuner.val_history
     assert len(runs) == 4  # twice an epoch, the sanity check left out
-    assert runs[0].num_workers == 0 and runs[0].next_config.num_workers > 0
+    # the first run follows training's 0 workers, or, where a batch made in training's loop costs a few ms (beside
+    # a CPU hog), starts at a worker sized from training's window for a step a third as long: starved either way
+    assert runs[0].num_workers <= 1 and runs[0].starvation_ratio > 0.5
+    assert runs[0].next_config.num_workers > runs[0].num_workers
     assert runs[-1].num_workers > 0 and runs[-1].samples_per_s > 2 * runs[0].samples_per_s
     assert {r.num_workers for r in tuner.history} == {0}  # training was never starved: it keeps its config
     assert data.loader_config.num_workers == 0 and data.val_config.num_workers > 0
@@ -160,14 +168,17 @@ def test_each_validation_run_is_one_validation_window(trainer_kwargs, trainer_ar
     # several loaders: each one's part of each run, its own batches (one loader: nothing more to show)
     parts = [(p.run, p.dataloader_idx, p.stats.batches) for p in tuner.val_loader_history]
     assert parts == ([(run, idx, n) for run in range(runs) for idx, n in batches.items()] if len(ids) > 1 else [])
-    # the starved validation side got workers of its own after its first run, or, where a run is fewer than the
-    # 8 batches a decision needs, after the runs that together hold them (two of 4 or 5); training kept its config
-    deciding = 0 if tuner.val_history[0].stats.batches >= VAL_FEWEST_BATCHES else 1
-    assert [r.next_config.num_workers > 0 for r in tuner.val_history[: deciding + 1]] == [False] * deciding + [True]
-    if deciding:  # the console says why nothing changed
-        batches = tuner.val_history[0].stats.batches
-        assert "needed to judge: holding" in reason_text(tuner.val_history[0].reason)
-        assert f"| {batches} of {VAL_FEWEST_BATCHES} batches to judge\n" in caplog.text + "\n"
+    # the starved validation side got more workers after its first run, or, where a run is fewer than the 8
+    # batches a decision needs, after the runs that together hold them (two of 4 or 5); training kept its config.
+    # It starts at training's 0 workers, or (on a busy machine, where training's batch costs a few ms to make
+    # in the loop) at a worker or two sized from training's window for the shorter validation step
+    first = tuner.val_history[0]
+    deciding = 0 if first.stats.batches >= VAL_FEWEST_BATCHES else 1
+    assert tuner.val_history[deciding].next_config.num_workers > first.config.num_workers
+    if deciding:  # a run too short to judge holds its config, and the console says why
+        assert first.next_config == first.config
+        assert "needed to judge: holding" in reason_text(first.reason)
+        assert f"| {first.stats.batches} of {VAL_FEWEST_BATCHES} batches to judge\n" in caplog.text + "\n"
     assert data.val_config.num_workers > 0
     assert data.loader_config.num_workers == 0
 
@@ -200,9 +211,12 @@ def test_several_validation_loaders_are_each_measured_and_the_slow_one_starves_m
         x for x, _ in logged["dltune/val/starvation_ratio"]
     ]
     series = lambda idx, name: [v for _, v in logged[f"dltune/val/{idx}/{name}"]]  # noqa: E731
+    # (the wait says how much more: a starvation ratio saturates near 1, and against a 1 ms validation step a
+    # batch made in the loop in 2-3 ms beside a CPU hog reads 50-70 % starved on fast storage too)
     slow, fast = series(0, "starvation_ratio"), series(1, "starvation_ratio")
-    assert len(slow) == len(fast) == 2 and slow[0] > 0.7 and slow[0] > 2 * fast[0]  # both on 0 workers
-    assert series(0, "fetch_wait_ms")[0] > 5 * series(1, "fetch_wait_ms")[0]
+    assert len(slow) == len(fast) == 2 and slow[0] > 0.7 and slow[0] > fast[0]  # the same config for both
+    # both loaders pay the same hand-over (or batch made in the loop): the slow storage's 30 ms a batch is the gap
+    assert series(0, "fetch_wait_ms")[0] - series(1, "fetch_wait_ms")[0] > 0.5 * VAL_COST_S * 1e3
     assert series(1, "samples_per_s")[0] > 2 * series(0, "samples_per_s")[0]
     # with workers of its own the slow loader waits less than it did on none (how its wait then compares with
     # the fast loader's depends on how many workers its runs were given: both may be near the hand-over time)
@@ -222,18 +236,19 @@ def test_several_validation_loaders_are_each_measured_and_the_slow_one_starves_m
 
 @pytest.mark.slow
 def test_validation_starts_with_workers_sized_from_training_before_its_first_run(trainer_kwargs, caplog):
-    # 22 ms a batch on both sets; 1 worker feeds the 30 ms training step, not the 10 ms validation step
+    # 40 ms a batch on both sets; 1 worker feeds the 60 ms training step (with room for a batch's hand-over from a
+    # worker, up to 10 ms beside a CPU hog), not the 20 ms validation step
     tuner = DataLoaderTuner(window_batches=10, window_seconds=0.2, max_workers=4)
-    model = SleepStepModule(step_s=0.03, val_step_s=0.01, record_indices=True)
+    model = SleepStepModule(step_s=0.06, val_step_s=0.02, record_indices=True)
     data = SleepyDataModule(
-        train_length=TRAIN, val_length=VAL, batch_size=BATCH, batch_cost_s=0.022, val_batch_cost_s=0.022, num_workers=1
+        train_length=TRAIN, val_length=VAL, batch_size=BATCH, batch_cost_s=0.04, val_batch_cost_s=0.04, num_workers=1
     )
     trainer = pl.Trainer(callbacks=[tuner], **{**trainer_kwargs, "max_epochs": 2, "val_check_interval": 0.5})
     with caplog.at_level(logging.INFO):
         trainer.fit(model, datamodule=data)
     runs = tuner.val_history
     assert len(runs) == 4
-    # the first run already has workers of its own: 22 ms / 10 ms x 1.2 headroom = 2.6, so 3 (a step measured 20 %
+    # the first run already has workers of its own: 40 ms / 20 ms x 1.2 headroom = 2.4, so 3 (a step measured 10 %
     # slow on a busy host still gives 3; a batch measured slower, 4: the cap)
     assert runs[0].num_workers in (3, 4) and runs[0].starvation_ratio < 0.4
     assert {r.num_workers for r in tuner.history} == {1} and data.loader_config.num_workers == 1
@@ -245,11 +260,12 @@ def test_validation_starts_with_workers_sized_from_training_before_its_first_run
 @pytest.mark.slow
 def test_a_validation_start_sized_too_generously_is_given_back_by_its_own_runs(trainer_kwargs):
     # a validation step as long as the training step (a heavy metric): the start's third of it was wrong, and the
-    # workers it sized (3 for a 20 ms batch) are slack the validation runs give back
+    # workers it sized (3 for a 40 ms batch against a third of 60 ms; 2 where a busy host slows the step measured)
+    # are slack the validation runs give back
     tuner = DataLoaderTuner(window_batches=10, window_seconds=0.2, max_workers=4)
-    model = SleepStepModule(step_s=0.03, val_step_s=0.03, record_indices=True)
+    model = SleepStepModule(step_s=0.06, val_step_s=0.06, record_indices=True)
     data = SleepyDataModule(
-        train_length=TRAIN, val_length=VAL, batch_size=BATCH, batch_cost_s=0.02, val_batch_cost_s=0.02, num_workers=1
+        train_length=TRAIN, val_length=VAL, batch_size=BATCH, batch_cost_s=0.04, val_batch_cost_s=0.04, num_workers=1
     )
     trainer = pl.Trainer(callbacks=[tuner], **{**trainer_kwargs, "max_epochs": 3, "val_check_interval": 0.5})
     trainer.fit(model, datamodule=data)
@@ -257,7 +273,8 @@ def test_a_validation_start_sized_too_generously_is_given_back_by_its_own_runs(t
     # the start: slack. The typical batch waits for little more than its hand-over (a few ms beside a CPU hog); the
     # first waits for its workers' start (10 % of a 10-batch run, more on a loaded machine), so the run's whole
     # starvation ratio is not what says it
-    assert runs[0].num_workers == 3 and runs[0].stats.fetch_wait_p50_s < 0.25 * runs[0].stats.step_p50_s
-    assert data.val_config.num_workers < 3 and runs[-1].num_workers < 3  # given back by the validation runs
+    start = runs[0].num_workers
+    assert start in (2, 3) and runs[0].stats.fetch_wait_p50_s < 0.25 * runs[0].stats.step_p50_s
+    assert data.val_config.num_workers < start and runs[-1].num_workers < start  # given back by the validation runs
     assert data.loader_config.num_workers == 1
     _every_val_sample_once_per_run(model)
