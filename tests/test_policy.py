@@ -858,13 +858,23 @@ def test_a_step_up_that_did_not_pay_on_idle_cpus_leaves_bursts_to_deeper_prefetc
     assert decision.verdict == Verdict.DATA_BOUND_IO  # was "CPU saturated ... staying at 1", an epoch longer
 
 
-def test_a_measured_step_that_did_not_pay_stops_the_steps():
-    # the measured step 29 -> 44 gained nothing although the loop's delivery expected +50 %: no more workers
+def test_a_measured_step_that_did_not_pay_goes_back_and_stops_the_steps():
+    # the measured step 29 -> 44 gained nothing although the loop's delivery expected +50 %: 29 workers are as
+    # fast with 15 processes fewer (it held 44 before); and no smaller step up is tried instead
     stats = window(2.5, 10, stall_fraction=0.2, worker_ms=230, cpu_fraction=0.03)
     same = window(2.5, 10, stall_fraction=0.2, worker_ms=350, cpu_fraction=0.03)
+    budget = Budget(max_workers=127, cpus=128)
     history = [record(0, cfg(29, 8), stats, cfg(44, 8)), record(1, cfg(44, 8), same, cfg(44, 8))]
-    decision = decide(cfg(44, 8), same, Budget(max_workers=127, cpus=128), history)
-    assert decision.config == cfg(44, 8) and decision.reason.kind == ReasonKind.STOPPED_HELPING
+    decision = decide(cfg(44, 8), same, budget, history)
+    assert decision.config == cfg(29, 8) and decision.reason.kind == ReasonKind.STOPPED_HELPING
+    assert decision.verdict == Verdict.DATA_BOUND_IO  # 44 workers at 3 % of a CPU each: not CPU-bound
+    words = reason_text(decision.reason)
+    assert "back to 29 workers x prefetch 8: as fast with less" in words and "CPU-bound" not in words
+    history.append(record(2, cfg(44, 8), same, cfg(29, 8)))
+    for i in (3, 4, 5):  # held at 29, starved as before, window after window
+        held = decide(cfg(29, 8), stats, budget, history)
+        assert held.config == cfg(29, 8) and held.reason.kind == ReasonKind.AT_WORKER_CEILING, reason_text(held.reason)
+        history.append(record(i, cfg(29, 8), stats, cfg(29, 8)))
 
 
 # ------------------------------------------------------------------------------------------------

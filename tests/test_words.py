@@ -59,6 +59,11 @@ def test_workers_that_stopped_helping_say_cpu_bound_only_where_the_cpus_are_meas
         busy = reason_text(Reason(kind, {**numbers, "cpu_bound": True}))
         idle = reason_text(Reason(kind, {**numbers, "cpu_bound": False}))
         assert "CPU-bound" in busy and "CPU-bound" not in idle and "not busy" in idle
+    back = {**stopped, "to": (1, 2)}  # and where they went back to the fewer
+    busy = reason_text(Reason(ReasonKind.STOPPED_HELPING, {**back, "cpu_bound": True}))
+    idle = reason_text(Reason(ReasonKind.STOPPED_HELPING, {**back, "cpu_bound": False}))
+    assert busy.endswith("the pipeline is CPU-bound, back to 1 worker x prefetch 2 (the CPUs are busy)")
+    assert idle.endswith("not busy, back to 1 worker x prefetch 2: as fast with less")
 
 
 def test_a_step_up_sized_by_the_loops_delivery_says_it_is_measured():

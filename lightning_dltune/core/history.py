@@ -316,7 +316,8 @@ class _Replay:
             self.strikes[config] = self.strikes.get(config, 0) + 1
             self.rejected[config] = _Strike(config, i, self.strikes[config], busy)
         if length == CONFIRM_WINDOWS or (ended and length < CONFIRM_WINDOWS):  # the change's verdict, once
-            self._cap(i, streak.kind, before, config, gain, stopped_helping, busy)
+            went_back = ended and next_config == before
+            self._cap(i, streak.kind, before, config, gain, stopped_helping, busy, went_back)
             # (by throughput or by utilization, which the step's own drift leaves alone: half of `min_gain` is help)
             util_gain = _ratio(self.pooled[i].utilization, before_stats.utilization) - 1.0
             helped = max(gain, util_gain) >= settings.min_gain / 2
@@ -333,19 +334,21 @@ class _Replay:
         gain: float,
         stopped_helping: bool,
         busy: bool,
+        went_back: bool,
     ) -> None:
         """The ceiling a step up from ``before`` to ``config`` that did not pay sets on workers or prefetch."""
         slower = gain < -self.settings.min_gain
         strikes = self.strikes.get(config, 0) + 1
         if kind is ChangeKind.MORE_WORKERS and (slower or stopped_helping):
             # slower after a step up of several workers: try a smaller step up before calling it the CPUs'
-            # limit; never declare it at a count that was not measured against one worker more
+            # limit; never declare it at a count that was not measured against one worker more. Workers that
+            # stopped helping cap at the count they were added to, or at the count before them where the
+            # policy went back there (as fast with less: a smaller step up would only repeat the question)
             step_up = config.num_workers - before.num_workers
-            limit = (
-                config.num_workers
-                if stopped_helping
-                else (before.num_workers if step_up <= 1 else config.num_workers - 1)
-            )
+            if stopped_helping:
+                limit = before.num_workers if went_back else config.num_workers
+            else:
+                limit = before.num_workers if step_up <= 1 else config.num_workers - 1
             ceiling = self.worker_ceiling
             if ceiling is None or not ceiling.stands(i) or limit < ceiling.value:
                 self.worker_ceiling = _Strike(limit, i, strikes, busy)

@@ -69,7 +69,9 @@ How :func:`decide` thinks, first rule that applies wins:
    fewer workers though they came out under busy: nothing up is left to measure there. Past the workers
    the CPUs carry (on that evidence) stalls are the contention's, and get the cut, not deeper prefetch. Workers
    also stop where the last increase gained less than ``min_gain`` although the model (or, for a measured
-   step, the delivery) expected at least twice that, or at the budget; memory may cap them. That stop is
+   step, the delivery) expected at least twice that, or at the budget; memory may cap them. Such an increase
+   goes back to the workers before it, as fast with less (unless it paid half of ``min_gain``), and those
+   are the ceiling under today's conditions: no smaller step up asks the same question again. That stop is
    called CPU-bound only where the CPUs were measured busy; where they were not, bursty stalls still get
    deeper prefetch first (a first window that met no slow batch makes a step up look as if it did not
    pay). Bursty stalls
@@ -575,13 +577,19 @@ def _add_throughput(case: _Case) -> _Rule:
 def _stopped_helping(case: _Case) -> Optional[_Rule]:
     """The last step up of workers gained less than ``min_gain`` where the model expected twice that: no more.
 
-    On CPUs measured busy such workers only hold memory and fight over the cores, whatever was expected of
-    them: they go back (unless the step paid half of ``min_gain``: going back would undo a step that paid).
+    The workers it added only hold memory (and, on CPUs measured busy, fight over the cores, whatever was
+    expected of them): they go back, the config before being as fast with less (unless the step paid half of
+    ``min_gain``: going back would undo a step that paid). The config before is then the workers' ceiling
+    under today's conditions (:mod:`~lightning_dltune.core.history`): no smaller step up is tried instead.
     """
     current, last, settings = case.current, case.fit.last_change, case.settings
     if last is None or last.kind is not ChangeKind.MORE_WORKERS:
         return None
-    give_back = case.cpu_bound and last.gain < settings.min_gain and case.allowed(last.before, starved_below=False)
+    give_back = (
+        (case.cpu_bound or last.stopped_helping)
+        and last.gain < settings.min_gain
+        and case.allowed(last.before, starved_below=False)
+    )
     if not (last.stopped_helping or give_back):
         return None
     numbers = {
@@ -589,17 +597,13 @@ def _stopped_helping(case: _Case) -> Optional[_Rule]:
         "workers": current.num_workers,
         "gain": last.gain,
         "min_gain": settings.min_gain,
+        # CPU saturation only where the CPUs were measured busy: else the workers' limit is storage's or the loop's
+        "cpu_bound": case.cpu_bound,
     }
     if not last.confirmed:
         return current, case.data_verdict, Reason(ReasonKind.CONFIRM_NO_GAIN, numbers)
     if give_back:
-        return (
-            last.before,
-            Verdict.DATA_BOUND_CPU,
-            Reason(ReasonKind.STOPPED_HELPING, {**numbers, "to": pair(last.before)}),
-        )
-    # CPU saturation only where the CPUs were measured busy: else the workers' limit is storage's or the loop's
-    numbers["cpu_bound"] = case.cpu_bound
+        return last.before, case.data_verdict, Reason(ReasonKind.STOPPED_HELPING, {**numbers, "to": pair(last.before)})
     return current, case.data_verdict, Reason(ReasonKind.STOPPED_HELPING, numbers)
 
 

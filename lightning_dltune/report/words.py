@@ -373,6 +373,9 @@ _WORDS = {
         f"adding workers {v['from_workers']} -> {v['workers']} gained {v['gain']:+.0%} (< {v['min_gain']:.0%}): "
         + (
             f"the pipeline is CPU-bound, back to {_short(v['to'])} (the CPUs are busy)"
+            if "to" in v and v.get("cpu_bound", True)
+            else f"more workers do not pay here though the CPUs are not busy, back to {_short(v['to'])}: as fast "
+            "with less"
             if "to" in v
             else f"the pipeline is CPU-bound, staying at {v['workers']}"
             if v.get("cpu_bound", True)
