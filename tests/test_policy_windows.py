@@ -85,19 +85,10 @@ def run_windows(
         decision = decide(config, stats, budget, history, policy)
         in_epoch, step = in_epoch + batches, step + batches
         epoch_end = (k + 1) % WINDOWS_PER_EPOCH == 0
-        history.append(
-            WindowRecord(
-                k // WINDOWS_PER_EPOCH,
-                config,
-                stats,
-                decision.verdict,
-                decision.reason,
-                decision.config,
-                end_batch=None if epoch_end else in_epoch,
-                step=step,
-                judged_util=decision.judged_util,
-            )
-        )
+        history.append(WindowRecord(
+            k // WINDOWS_PER_EPOCH, config, stats, decision.verdict, decision.reason, decision.config,
+            end_batch=None if epoch_end else in_epoch, step=step, judged_util=decision.judged_util,
+        ))
         config = decision.config
         in_epoch = 0 if epoch_end else in_epoch
     return history
@@ -108,9 +99,7 @@ def show(records: Sequence[WindowRecord], schedule: Optional[Schedule] = None) -
     out = []
     for k, r in enumerate(records):
         phase = "" if schedule is None else f"phase@{[s for s in schedule.changes if s <= k][-1]}"
-        out.append(
-            (k, phase, r.config.short(), round(r.stats.utilization, 3), str(r.verdict), reason_text(r.reason)[:120])
-        )
+        out.append((k, phase, r.config.short(), round(r.stats.utilization, 3), str(r.verdict), reason_text(r.reason)[:120]))
     return out
 
 
@@ -127,13 +116,8 @@ def pipelines(draw, kind: Optional[str] = None) -> Pipeline:
     main, side = cost, cost * draw(st.floats(0.0, 0.1))
     cpu_s, io_s = (side, main) if kind == "io" else (main, side)
     return Pipeline(
-        cpu_s=cpu_s,
-        io_s=io_s,
-        step_s=step,
-        batch_bytes=draw(st.integers(1, 64)) * MB,
-        noise=NOISE,
-        step_jitter=STEP_JITTER,
-        measured=draw(st.sampled_from([True, True, False])),
+        cpu_s=cpu_s, io_s=io_s, step_s=step, batch_bytes=draw(st.integers(1, 64)) * MB, noise=NOISE,
+        step_jitter=STEP_JITTER, measured=draw(st.sampled_from([True, True, False])),
         main_measured=draw(st.booleans()),
     )
 
@@ -251,8 +235,7 @@ def test_band_or_a_correct_verdict_within_three_windows_of_any_change(data, star
     for change in schedule.changes:
         after = range(change, min(change + 3, len(records)))
         assert any(settled_correctly(records[k], schedule.at(k), budget, cores) for k in after), (
-            change,
-            show(records, schedule),
+            change, show(records, schedule),
         )
 
 
@@ -276,9 +259,7 @@ def test_storage_three_times_slower_is_answered_within_two_windows(data, start, 
 
 
 @pytest.mark.slow  # 200 windows an example: ~30 s
-@settings(
-    max_examples=25, deadline=None, derandomize=True, phases=_PHASES, suppress_health_check=[HealthCheck.too_slow]
-)
+@settings(max_examples=25, deadline=None, derandomize=True, phases=_PHASES, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), start=starts, cores=cores_, seed=st.integers(0, 1000))
 def test_no_ping_pong_over_two_hundred_noisy_windows(data, start, cores, seed):
     pipeline = data.draw(pipelines())
@@ -320,10 +301,7 @@ def test_a_transient_cpu_hog_does_not_leave_a_worse_config(data, start, cores, s
     rate_before = pipeline.steady_samples_per_s(before, cores)
     rate_after = pipeline.steady_samples_per_s(after, cores)
     assert steady_in_band(pipeline, after, cores) or rate_after >= (1 - DEFAULTS.min_gain) * rate_before, (
-        before.short(),
-        after.short(),
-        round(rate_after / rate_before, 3),
-        show(records, schedule),
+        before.short(), after.short(), round(rate_after / rate_before, 3), show(records, schedule),
     )
 
 
@@ -333,9 +311,7 @@ def test_a_decision_late_in_a_long_fit_replays_only_its_latest_windows():
     # at 2000 on a slow host); what it decides on a long fit is what it decides on that fit's latest REPLAYED_WINDOWS windows
     pipeline = Pipeline(cpu_s=0.004, io_s=0.060, step_s=0.020, noise=NOISE, step_jitter=STEP_JITTER)
     budget = Budget(max_workers=16, cpus=8.0)
-    records = run_windows(
-        Schedule(((0, pipeline),)), LoaderConfig(num_workers=0), budget, 8, windows=REPLAYED_WINDOWS + 44
-    )
+    records = run_windows(Schedule(((0, pipeline),)), LoaderConfig(num_workers=0), budget, 8, windows=REPLAYED_WINDOWS + 44)
     for now in (REPLAYED_WINDOWS + 10, len(records) - 1):
         record = records[now]
         latest = records[now + 1 - REPLAYED_WINDOWS : now]
@@ -397,9 +373,7 @@ def test_workers_are_kept_where_making_the_batch_in_the_loop_costs_more_than_the
     pipeline = Pipeline(
         cpu_s=0.003, step_s=0.020, handover_s=0.0017, batch_bytes=8 << 10, noise=NOISE, step_jitter=STEP_JITTER
     )
-    records = run_windows(
-        Schedule(((0, pipeline),)), LoaderConfig(num_workers=2), Budget(max_workers=7, cpus=2.0), 2, 10
-    )
+    records = run_windows(Schedule(((0, pipeline),)), LoaderConfig(num_workers=2), Budget(max_workers=7, cpus=2.0), 2, 10)
     assert all(r.config.num_workers >= 1 for r in records), show(records)
 
 
@@ -452,19 +426,10 @@ def run_at_scale(
         stats = simulate(config, pipeline, cores, batches=batches, seed=seed * 100_003 + k, warm=warm)
         decision = decide(config, stats, budget, history, DEFAULTS)
         step += batches
-        history.append(
-            WindowRecord(
-                k // WINDOWS_PER_EPOCH,
-                config,
-                stats,
-                decision.verdict,
-                decision.reason,
-                decision.config,
-                end_batch=step,
-                step=step,
-                judged_util=decision.judged_util,
-            )
-        )
+        history.append(WindowRecord(
+            k // WINDOWS_PER_EPOCH, config, stats, decision.verdict, decision.reason, decision.config,
+            end_batch=step, step=step, judged_util=decision.judged_util,
+        ))
         config, confirm = decision.config, decision.confirm_batches
     return history
 
