@@ -43,12 +43,13 @@ How :func:`decide` thinks, first rule that applies wins:
    by more than ``min_gain``, or a give-back that left the loop starved below the band or clearly cost
    speed (utilization down by more than ``min_gain`` and the hysteresis: the step drifts on its own,
    the utilization does not), is measured again (one window is noise until a second agrees, and a
-   give-back's second window must show the loss on its own), then undone. If the step itself got more
-   than 25 % slower meanwhile, the machine was busy (contention), not necessarily the config: that undo
-   expires after ``RETRY_AFTER_WINDOWS`` (16) windows, doubling each time it repeats. Other undone
-   configs are not tried again under the same conditions. A slower step up of several workers is retried
-   smaller before the CPUs are called saturated: no CPU limit is declared at a count not measured against
-   one worker more.
+   give-back's second window must show the loss on its own), then undone; a give-back from a config itself
+   below the band's low edge is judged by its speed alone (the config it left did not keep the band
+   either). If the step itself got more than 25 % slower meanwhile, the machine was busy (contention), not
+   necessarily the config: that undo expires after ``RETRY_AFTER_WINDOWS`` (16) windows, doubling each
+   time it repeats. Other undone configs are not tried again under the same conditions. A slower step up
+   of several workers is retried smaller before the CPUs are called saturated: no CPU limit is declared at
+   a count not measured against one worker more.
 5. **Below the band and starved:** add throughput, sized by the model rather than by doubling. The tuner's
    loaders measure, inside the workers, the wall and CPU time to make one batch and its p95; Little's law
    gives the workers that feed the step (with ``headroom``, 20 %), the p95 adding what in-order delivery
@@ -63,7 +64,7 @@ How :func:`decide` thinks, first rule that applies wins:
    depend on it), so that is measured too, once under the same conditions: past the CPUs' count, prefetch
    goes to 1 first (the queue is empty whatever its depth: deeper only holds memory), then the workers the
    CPUs carry; at it, the workers x prefetch batches in flight go to one a worker over more workers (at
-   least one more, at most twice as many). A cut taken on a starved window is judged by its speed beyond
+   least one more, at most twice as many). A cut taken below the band's low edge is judged by its speed beyond
    the noise of its windows, a step up on busy CPUs that gains less than ``min_gain`` goes back. The same
    cut is measured at the worker budget's most where the workers' measured CPU share says the CPUs carry
    fewer workers though they came out under busy: nothing up is left to measure there. Past the workers
@@ -453,11 +454,13 @@ def _judge_last_change(case: _Case) -> Optional[_Rule]:
         if not last.confirmed:  # one window is noise until a second agrees
             return current, case.held, Reason(ReasonKind.CONFIRM_SLOWER, numbers)
         return last.before, case.held, Reason(ReasonKind.UNDO_SLOWER, {**numbers, "windows": last.windows})
-    # a cut taken on a starved window (at measured saturation) is judged by its speed alone, and its memory saved is
-    # certain where its loss is noise: lost beyond twice the standard error of its windows' utilization too
-    cut_while_starved = is_starved(last.before_stats, settings)
-    starved = is_starved(stats, settings) and not cut_while_starved
-    noise = 2 * case.fit.util_error / max(stats.utilization, 1e-9) if cut_while_starved else 0.0
+    # a cut taken below the band's low edge (on a starved window, at measured saturation, or one the band's edge
+    # held only by noise) is judged by its speed alone: the config it left did not keep the band either, so a
+    # window below it is no news. Its memory saved is certain where its loss is noise: lost beyond twice the
+    # standard error of its windows' utilization too
+    cut_below_band = last.before_stats.utilization < settings.band[0]
+    starved = is_starved(stats, settings) and not cut_below_band
+    noise = 2 * case.fit.util_error / max(stats.utilization, 1e-9) if cut_below_band else 0.0
     # a give-back keeps the data side's speed (the utilization: the step drifts on its own): undone where it clearly
     # lost more than `min_gain` of it (by the hysteresis too: the model aims at half of it), unless the step itself
     # slowed meanwhile
@@ -468,7 +471,7 @@ def _judge_last_change(case: _Case) -> Optional[_Rule]:
         # neighbour that slowed the give-back's first window only, and left, is no reason to go back)
         latest = case.latest
         gone = latest.utilization / max(last.before_stats.utilization, 1e-9) - 1.0 >= -lost
-        if gone and not (is_starved(latest, settings) and not cut_while_starved):
+        if gone and not (is_starved(latest, settings) and not cut_below_band):
             starved = slower = False
     if last.kind is ChangeKind.GIVE_BACK and (starved or slower):
         numbers = {
