@@ -817,6 +817,20 @@ def test_no_window_above_the_band_is_called_data_bound():
     assert decision.verdict == Verdict.COMPUTE_BOUND
 
 
+def test_a_window_clearly_above_the_band_is_compute_bound_though_its_pooled_windows_hold_in_it():
+    # 11 workers held through windows at 100 % and 93 % busy (storage slowed to their edge): pooled, 97 % is not
+    # clearly outside the band, and the tuner holds. The window just measured ran at 100 % and did not wait: its
+    # verdict is "compute-bound", not "in band" (a property over the simulator found that window called in band)
+    full = window(0, 48, stall_fraction=0.0)
+    dip = window(3.6, 48, stall_fraction=0.3)
+    history = [record(k, cfg(11), w, cfg(11)) for k, w in enumerate((full, dip) * 3)]
+    decision = decide(cfg(11), full, ROOMY, history)
+    assert decision.config == cfg(11) and decision.reason.kind == ReasonKind.IN_BAND
+    assert decision.verdict == Verdict.COMPUTE_BOUND
+    # the dip's own window, in the band, stays "in band"
+    assert decide(cfg(11), dip, ROOMY, history).verdict == Verdict.IN_BAND
+
+
 def test_cpus_are_called_saturated_only_where_measured_busy():
     # 7 CPU-bound workers on 8 CPUs, each busy all the time, plus the training process: 8 CPUs in use
     busy = window(30, 10, worker_ms=280, cpu_fraction=1.0)

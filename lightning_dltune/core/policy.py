@@ -121,7 +121,9 @@ CPU use (batches per second x their wall time per batch x its CPU share) plus th
 (a ceiling) and undone slower steps up count as evidence too, and so does, where the loader cannot say
 its CPU share, the model's CPU limit once one more worker could not show its gain. Without evidence a
 data-bound window is *data-bound (I/O)*. No window above the band is data-bound, whatever a rule
-concluded: it is *compute-bound* (or *in band* where it still waited on data).
+concluded: it is *compute-bound* (or *in band* where it still waited on data); and one clearly above it
+(by the hysteresis) that did not wait is *compute-bound* though its config's pooled windows were not
+clearly outside the band (the hold is the same: the verdict describes the window).
 
 Noise: a config is judged on its last windows in a row pooled together (up to eight), and "clearly
 outside" means beyond the band by ``hysteresis`` (0.02) plus the standard error of those windows'
@@ -218,9 +220,15 @@ def decide(
 
 
 def _consistent(verdict: Verdict, stats: WindowStats, settings: PolicySettings) -> Verdict:
-    """The verdict, unless the window's own utilization contradicts it: no window above the band is data-bound."""
-    if verdict in (Verdict.DATA_BOUND_IO, Verdict.DATA_BOUND_CPU) and stats.utilization > settings.band[1]:
-        return Verdict.COMPUTE_BOUND if stats.starvation_ratio < settings.min_starvation else Verdict.IN_BAND
+    """The verdict, unless the window's own utilization contradicts it: no window above the band is data-bound,
+    and one clearly above it (by the hysteresis) that did not wait on data is compute-bound, though its config's
+    pooled windows were not clearly outside the band (the hold is the same; the window is what the verdict
+    describes)."""
+    above, fed = stats.utilization > settings.band[1], stats.starvation_ratio < settings.min_starvation
+    if verdict in (Verdict.DATA_BOUND_IO, Verdict.DATA_BOUND_CPU) and above:
+        return Verdict.COMPUTE_BOUND if fed else Verdict.IN_BAND
+    if verdict is Verdict.IN_BAND and fed and stats.utilization > settings.band[1] + settings.hysteresis:
+        return Verdict.COMPUTE_BOUND
     return verdict
 
 
