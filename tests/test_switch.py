@@ -300,11 +300,13 @@ def test_a_worker_killed_after_its_config_was_confirmed_is_torchs_own_error(trai
     # tuning, with rollback armed, but no change of config: the start config is confirmed, then its worker dies
     tuner = DataLoaderTuner(max_rebuilds=0, verbose=False)
     trainer = pl.Trainer(max_epochs=1, callbacks=[tuner], **trainer_kwargs)
-    with warnings.catch_warnings(record=True) as caught, pytest.raises((RuntimeError, ConnectionResetError)) as raised:
+    # torch reports the death as it finds it: a dead worker, or the connection that hands over a batch's storage
+    # closed under it, reset mid-transfer or closed before its handshake (EOFError: met beside a CPU hog)
+    handover = (ConnectionResetError, EOFError)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises((RuntimeError, *handover)) as raised:
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=dm)
-    # torch reports the death as it finds it: a dead worker, or a reset connection to it mid-transfer
-    assert isinstance(raised.value, ConnectionResetError) or "DataLoader worker (pid" in str(raised.value)
+    assert isinstance(raised.value, handover) or "DataLoader worker (pid" in str(raised.value)
     assert not [w for w in caught if "went back" in str(w.message)]  # the config had worked: no rollback
     assert len(model.train_indices[0]) >= CONFIRM_AFTER_BATCHES * 4
 
