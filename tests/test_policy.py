@@ -1258,3 +1258,46 @@ def test_the_best_config_is_judged_under_the_latest_conditions():
     assert latest_conditions(history) == 7
     assert best_config(history) == cfg(0)  # over the whole fit the medians would say 1 worker (2,909 samples/s)
     assert median_rate(history, cfg(0)).epoch == 9  # the window it cites ran under the same conditions
+
+
+def test_a_loop_that_waits_on_each_batchs_hand_over_measures_zero_workers_and_goes_back_where_they_are_slower():
+    # 4 workers on 2 CPUs, a batch ready at every fetch, yet the loop waits 8 ms a batch, 29 % of its time: each
+    # batch's hand-over from a worker (unpickled out of shared memory), which no worker count or depth shortens. A
+    # worker makes one in 5.5 ms, mostly waiting on storage: made in the loop it should cost less than the wait
+    handed = replace(window(8, 20, stall_fraction=0.0, worker_ms=5.5, cpu_fraction=0.1), main_cpu_fraction=0.3)
+    two_cpus = Budget(max_workers=7, cpus=2)
+    decision = decide(cfg(4), handed, two_cpus, [])
+    assert decision.config == cfg(0) and decision.reason.kind == ReasonKind.HANDED_OVER, reason_text(decision.reason)
+    assert decision.verdict == Verdict.DATA_BOUND_IO
+    assert reason_text(decision.reason) == (
+        "starved 29% though a batch was ready at every fetch: taking one from a worker cost the loop 8.0 ms, making "
+        "it in the loop should cost ~4.9 ms (+13% expected): 4 workers -> 0 workers"
+    )
+    # the loop made them slower than the workers said (12 ms a batch): measured again, then undone, not tried again
+    slow = window(12, 20)
+    history = [record(0, cfg(4), handed, cfg(0))]
+    first = decide(cfg(0), slow, two_cpus, history)
+    assert first.config == cfg(0) and first.reason.kind == ReasonKind.CONFIRM_STARVED, reason_text(first.reason)
+    history.append(record(1, cfg(0), slow, first.config))
+    second = decide(cfg(0), slow, two_cpus, history)
+    assert second.config == cfg(4) and second.reason.kind == ReasonKind.UNDO_GIVE_BACK, reason_text(second.reason)
+    history.append(record(2, cfg(0), slow, second.config))
+    assert decide(cfg(4), handed, two_cpus, history).config != cfg(0)
+
+
+def test_zero_workers_are_not_measured_for_a_wait_that_is_not_the_hand_over():
+    two_cpus = Budget(max_workers=7, cpus=2)
+    # the queue ran dry: the workers do not keep up, more of them are the answer
+    dry = replace(window(8, 20, stall_fraction=0.6, worker_ms=5.5, cpu_fraction=0.1), main_cpu_fraction=0.3)
+    assert decide(cfg(4), dry, two_cpus, []).config.num_workers > 0
+    # a batch that costs the loop more to make than to take from a worker
+    dear = replace(window(8, 20, stall_fraction=0.0, worker_ms=9, cpu_fraction=0.1), main_cpu_fraction=0.3)
+    assert decide(cfg(4), dear, two_cpus, []).reason.kind != ReasonKind.HANDED_OVER
+    # a loader that cannot say what a batch costs a worker
+    unknown = window(8, 20, stall_fraction=0.0)
+    assert decide(cfg(4), unknown, two_cpus, []).config.num_workers > 0
+    # a step up from 0 workers that paid: 0 is not asked again under the same conditions
+    starved = window(30, 20)
+    handed = replace(window(8, 20, stall_fraction=0.0, worker_ms=5.5, cpu_fraction=0.1), main_cpu_fraction=0.3)
+    history = [record(0, cfg(0), starved, cfg(4)), record(1, cfg(4), handed, cfg(4))]
+    assert decide(cfg(4), handed, two_cpus, history).config.num_workers > 0

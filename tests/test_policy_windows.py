@@ -380,12 +380,12 @@ def test_workers_are_kept_where_making_the_batch_in_the_loop_costs_more_than_the
 
 def test_more_workers_that_did_not_pay_go_back_to_the_fewer_and_no_smaller_step_asks_again():
     # beside a CPU hog on 2 cores, taking a batch from a worker costs the loop 8 ms whatever the worker count: 4
-    # workers of 5 ms batches against a 20 ms step wait 28 %, and the loop's delivery asks for 7. They gain
+    # workers of 10 ms batches against a 20 ms step wait 28 %, and the loop's delivery asks for 7. They gain
     # nothing (it held 7 before, "staying at 7"); 4 are as fast with 3 processes fewer, and 5 or 6 would only
-    # ask the same question again
+    # ask the same question again (made in the loop, a batch would cost it more than the hand-over: 0 is no answer)
     pipeline = Pipeline(
         cpu_s=0.0005,
-        io_s=0.005,
+        io_s=0.010,
         step_s=0.020,
         handover_s=0.008,
         batch_bytes=8 << 10,
@@ -402,6 +402,31 @@ def test_more_workers_that_did_not_pay_go_back_to_the_fewer_and_no_smaller_step_
     assert back.reason.kind == ReasonKind.STOPPED_HELPING and back.verdict == Verdict.DATA_BOUND_IO
     assert reason_text(back.reason).endswith("back to 4 workers x prefetch 2: as fast with less")
     assert all(r.reason.kind == ReasonKind.AT_WORKER_CEILING for r in records[3:]), show(records)
+
+
+def test_a_loop_that_waits_only_on_the_hand_over_goes_to_zero_workers_and_no_step_up_asks_again():
+    # the same fit with 5 ms batches: made in the loop (5.5 ms) a batch costs it less than taking it from a worker
+    # (8 ms), so 0 workers run 10 % faster than any worker count. Measured on the first window that shows it (no
+    # fetch found the queue empty), kept, and no step up from 0 asks the question again
+    pipeline = Pipeline(
+        cpu_s=0.0005,
+        io_s=0.005,
+        step_s=0.020,
+        handover_s=0.008,
+        batch_bytes=8 << 10,
+        noise=NOISE,
+        step_jitter=STEP_JITTER,
+        busy_cores=1.0,
+    )
+    records = run_windows(
+        Schedule(((0, pipeline),)), LoaderConfig(num_workers=4), Budget(max_workers=7, cpus=2.0), 2, 12
+    )
+    assert [r.config.num_workers for r in records] == [4] + [0] * 11, show(records)
+    assert records[0].reason.kind == ReasonKind.HANDED_OVER
+    assert all(r.reason.kind == ReasonKind.AT_WORKER_CEILING for r in records[1:]), show(records)
+    assert reason_text(records[1].reason).endswith("taking a batch from a worker cost the loop more than making it: holding")
+    zero, any_workers = (pipeline.running_samples_per_s(LoaderConfig(num_workers=w), 2) for w in (0, 4))
+    assert zero > 1.05 * any_workers
 
 
 # ------------------------------------------------------------------------------------------------

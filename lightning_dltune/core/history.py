@@ -312,6 +312,8 @@ class _Replay:
                 (rate_before, rate_after),
                 tail_s,
             )
+        if i == streak.start and streak.kind is ChangeKind.GIVE_BACK and config.num_workers == 0 < before.num_workers:
+            self._handed_over(i, streak, before_stats, busy)
         if ended and next_config == before:  # A -> B -> A: B was undone
             self.strikes[config] = self.strikes.get(config, 0) + 1
             self.rejected[config] = _Strike(config, i, self.strikes[config], busy)
@@ -357,6 +359,24 @@ class _Replay:
             ceiling = self.prefetch_ceiling
             if ceiling is None or not ceiling.stands(i) or kept.prefetch_factor < ceiling.value:
                 self.prefetch_ceiling = _Strike(kept.prefetch_factor, i, strikes, busy)
+
+    def _handed_over(self, i: int, streak: _Streak, before_stats: WindowStats, busy: bool) -> None:
+        """A give-back to 0 workers from below the band, not undone: 0 is the workers' ceiling under today's
+        conditions, from its first window on (while it is judged, no step up).
+
+        The workers it left starved the loop too, on each batch's hand-over (no worker count shortens that): a
+        step up from 0 would only ask the same question again.
+        """
+        if before_stats.utilization >= self.settings.band[0]:
+            return
+        for config, _, next_config in self.windows[i:]:
+            if config != streak.config or next_config is None:
+                break
+            if next_config != config:
+                if next_config == streak.before:
+                    return  # undone
+                break
+        self.worker_ceiling = _Strike(0, i, 1, busy)
 
     def fit_history(self, history: Sequence[WindowRecord]) -> FitHistory:
         """What the rules need of the replayed fit, as of its newest window (``history`` is the fit's records)."""

@@ -77,7 +77,12 @@ How :func:`decide` thinks, first rule that applies wins:
    deeper prefetch first (a first window that met no slow batch makes a step up look as if it did not
    pay). Bursty stalls
    (most fetches find a batch ready, some find none, the workers make enough on average) get deeper
-   prefetch instead; a wait without a single stall is each batch's hand-over, which no depth shortens. Where
+   prefetch instead; a wait without a single stall is each batch's hand-over, which no depth and no worker
+   count shortens. Where making a batch in the loop would cost it clearly less than that (0 workers' rate by
+   the model, at a cost two standard errors above the windows' mean, over the loop's measured rate by
+   ``min_gain``), 0 workers are measured: judged by their speed like any give-back from below the band, and,
+   kept, 0 is the workers' ceiling under today's conditions (a step up would ask the same question again);
+   never after a step up from 0 workers paid, and only where the loader measured a batch's cost. Where
    prefetched batches are a noticeable share (a quarter) of the memory budget, new workers start at
    prefetch 1: steady starvation needs one batch in flight per worker, and bursts then earn deeper
    prefetch.
@@ -577,12 +582,40 @@ def _add_throughput(case: _Case) -> _Rule:
     starved = {"starvation": stats.starvation_ratio, "windows": fit.windows, "workers": case.current.num_workers}
     # past the workers the CPUs carry, stalls come from the contention: no deeper prefetch, the cut of 5 first
     bursts = None if _oversubscribed(case) else _deeper_prefetch(case, starved)
+    handed_over = _handed_over(case, starved)
+    if handed_over is not None:
+        return handed_over
     stopped = _stopped_helping(case)
     if stopped is not None and stopped[2].kind is ReasonKind.STOPPED_HELPING and not case.cpu_bound:
         # more workers did not pay, yet nothing measured the CPUs busy: no saturation, and bursts that stall the
         # loop still earn deeper prefetch (a burst every tenth batch held 1 worker x prefetch 2 an epoch longer)
         return bursts or stopped
     return stopped or bursts or _more_workers(case, starved)
+
+
+def _handed_over(case: _Case, starved: dict) -> Optional[_Rule]:
+    """Starved with a batch ready at (nearly) every fetch: the loop waits on each batch's hand-over from a worker.
+
+    No worker count or prefetch depth shortens that wait (every worker's batch is unpickled out of shared
+    memory in the loop's time); 0 workers do not pay it, the loop makes each batch itself instead. Where that
+    costs clearly less (the loop's measured rate below what 0 workers make by the model, at a cost two standard
+    errors above the windows' mean, by ``min_gain``), 0 workers are measured, on two windows' evidence: judged
+    by their speed like any give-back from below the band, and, kept, the workers' ceiling under today's
+    conditions (:mod:`~lightning_dltune.core.history`). Only where the loader measured a batch's cost and CPU
+    share, never back to 0 workers after a step up from them paid, nor to 0 workers undone.
+    """
+    current, stats, fit, model, settings = case.current, case.stats, case.fit, case.model, case.settings
+    if current.num_workers == 0 or stats.worker_batch_s is None or not model.cpu_known:
+        return None
+    if max(stats.stall_fraction, case.latest.stall_fraction) > _DRY_QUEUE or model.rate <= 0:
+        return None
+    in_loop_s = (model.cpu_s + model.io_s) * (1.0 + 2.0 * fit.cost_error)
+    gain = 1.0 / ((in_loop_s + model.step_mean_s) * model.rate) - 1.0  # 0 workers' rate over the loop's
+    zero = current.replace(num_workers=0)
+    if gain < settings.min_gain or not case.allowed(zero, starved_below=False):
+        return None
+    numbers = {**starved, "wait_s": stats.fetch_wait_mean_s, "batch_s": in_loop_s, "gain": gain, "to": pair(zero)}
+    return zero, case.data_verdict, Reason(ReasonKind.HANDED_OVER, numbers)
 
 
 def _stopped_helping(case: _Case) -> Optional[_Rule]:

@@ -45,6 +45,7 @@ class ReasonKind(_StrEnum):
     AT_WORKER_BUDGET = "at-worker-budget"
     NO_MODELLED_GAIN = "no-modelled-gain"  # contention eats what more workers would add
     MEMORY_CAPPED_HOLD = "memory-capped-hold"
+    HANDED_OVER = "handed-over"  # starved on each batch's hand-over from a worker: 0 workers make it for less
     MORE_WORKERS_UNDONE = "more-workers-undone"  # more workers were tried and undone
     MEMORY_CAPPED_WORKERS = "memory-capped-workers"  # fewer workers than wanted, for memory
     MORE_WORKERS = "more-workers"  # Little's law sizing

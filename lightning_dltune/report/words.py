@@ -384,7 +384,9 @@ _WORDS = {
     ),
     ReasonKind.DEEPER_PREFETCH: _bursts,
     ReasonKind.AT_WORKER_CEILING: lambda v: (
-        f"{_starved(v)} with {_workers(v['workers'])}, but adding workers stopped helping at {v['ceiling']}"
+        f"{_starved(v)} with 0 workers, but taking a batch from a worker cost the loop more than making it: holding"
+        if v["ceiling"] == 0
+        else f"{_starved(v)} with {_workers(v['workers'])}, but adding workers stopped helping at {v['ceiling']}"
         + (": the pipeline is CPU-bound" if v.get("cpu_bound", True) else " (the CPUs are not busy): holding")
     ),
     ReasonKind.OVERSUBSCRIBED: _oversubscribed,
@@ -404,6 +406,11 @@ _WORDS = {
     ReasonKind.MEMORY_CAPPED_HOLD: lambda v: (
         f"{_starved(v)} with {_workers(v['workers'])} and wants {v['wanted']}, but even {_short(v['config'])} "
         f"would hold {_memory(v)}: holding"
+    ),
+    ReasonKind.HANDED_OVER: lambda v: (
+        f"{_starved(v)} though a batch was ready at every fetch: taking one from a worker cost the loop "
+        f"{_ms(v['wait_s'])}, making it in the loop should cost ~{_ms(v['batch_s'])} ({v['gain']:+.0%} expected): "
+        f"{_workers(v['workers'])} -> 0 workers"
     ),
     ReasonKind.MORE_WORKERS_UNDONE: lambda v: (
         f"{_starved(v)}; {_cost(v)}, but more workers were tried and undone: holding"
