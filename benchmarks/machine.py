@@ -25,18 +25,6 @@ def machine_info() -> dict[str, Any]:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         pass
-    digest = hashlib.sha256()
-    package = os.path.join(REPO_ROOT, "lightning_dltune")
-    for name in sorted(os.listdir(package)):
-        if name.endswith(".py"):
-            with open(os.path.join(package, name), "rb") as f:
-                digest.update(name.encode() + f.read())
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
     return {
         "usable_cpus": usable_cpus(),
         "cpu_count": os.cpu_count(),
@@ -46,6 +34,29 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "lightning": lightning.__version__,
-        "git_commit": commit,
-        "package_sha256": digest.hexdigest()[:16],
+        "git_commit": _commit(),
+        "package_sha256": package_digest(),
     }
+
+
+def package_digest() -> str:
+    """A digest of every module of the package, its subpackages' included, by path (uncommitted changes included)."""
+    digest = hashlib.sha256()
+    package = os.path.join(REPO_ROOT, "lightning_dltune")
+    for folder, subfolders, names in os.walk(package):
+        subfolders.sort()
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, "rb") as f:
+                    digest.update(os.path.relpath(path, package).encode() + f.read())
+    return digest.hexdigest()[:16]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""

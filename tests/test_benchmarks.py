@@ -79,3 +79,16 @@ def test_smoke_run_writes_markdown_table_and_png(smoke_results):
     with Image.open(smoke_results / "tuning.png") as image:
         image.verify()
         assert image.format == "PNG" and image.size[0] > 300
+
+
+def test_the_results_name_the_package_code_down_to_its_subpackages(tmp_path, monkeypatch):
+    from benchmark_modules import load_benchmark_module
+
+    machine = load_benchmark_module("machine")
+    policy = tmp_path / "lightning_dltune" / "core" / "policy.py"
+    policy.parent.mkdir(parents=True)
+    policy.write_text("RULES = 1\n")
+    monkeypatch.setattr(machine, "REPO_ROOT", str(tmp_path))
+    before = machine.package_digest()
+    policy.write_text("RULES = 2\n")
+    assert machine.package_digest() != before
