@@ -11,19 +11,22 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
+import time
 import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from fit_workloads import CountingIterable, SleepyDataset
+from fit_workloads import CountingIterable, SleepStepModule, SleepyDataset
 from lightning.pytorch.callbacks import Callback
 from test_loader import CheckpointAndStop  # saves a checkpoint mid-epoch and stops, as a preemption would
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 from user_projects import BATCH, TRAIN_LENGTH, VAL_LENGTH, ModuleLoaders, TaggedLoader, fit_shape, train_set, val_set
 
 from lightning_dltune import DataLoaderTuner
+from lightning_dltune.core.records import ReasonKind
 from lightning_dltune.loaders.adopt import AdoptedLoader, TimedWorkerInit, why_not_tunable
+from lightning_dltune.report.words import reason_text
 
 SHAPES = ["module", "datamodule", "fit_args", "subclass", "batch_sampler"]
 
@@ -304,3 +307,57 @@ def test_a_start_over_the_budget_is_clamped_before_any_worker_starts(trainer_kwa
     assert max(seen) <= 4  # max_workers=4: the 16 workers the project asked for never started
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[dltune] start: ")]
     assert len(said) == 1 and "workers=16 prefetch=8" in said[0] and "exceeds the budget" in said[0]
+
+
+class _DearToHandOver:
+    """A part of a batch that costs the process receiving it ``cost_s`` to unpickle, as a large batch taken out of a
+    worker's shared memory does. Made in the training process itself (0 workers), it is never pickled."""
+
+    def __init__(self, cost_s: float) -> None:
+        self.cost_s = cost_s
+
+    def __reduce__(self):
+        return _received, (self.cost_s,)
+
+
+def _received(cost_s: float) -> _DearToHandOver:
+    time.sleep(cost_s)
+    return _DearToHandOver(cost_s)
+
+
+def _collate_with_a_dear_hand_over(samples):
+    return {**default_collate(samples), "hand_over": _DearToHandOver(0.012)}
+
+
+class _DearHandOverLoaders(SleepStepModule):
+    """Loaders in the LightningModule: 2 ms batches (a sleep in the workers: storage) that cost the loop 12 ms to
+    take from a worker, behind a 30 ms emulated step."""
+
+    def __init__(self) -> None:
+        super().__init__(step_s=0.03, record_indices=True)
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = SleepyDataset(TRAIN_LENGTH, batch_cost_s=0.002)
+        return DataLoader(
+            dataset, batch_size=BATCH, shuffle=True, num_workers=2, collate_fn=_collate_with_a_dear_hand_over
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(SleepyDataset(VAL_LENGTH), batch_size=BATCH)
+
+
+@pytest.mark.slow
+def test_a_loop_that_waits_on_each_batchs_hand_over_goes_to_zero_workers_and_runs_faster(trainer_kwargs):
+    # every fetch finds a batch ready, yet the loop waits 12 ms for it (28 % of its time): no worker count or
+    # prefetch depth shortens that, and the 2 ms batch costs less made in the loop
+    tuner = _tuner()
+    trainer = pl.Trainer(max_epochs=3, callbacks=[tuner], **trainer_kwargs)
+    model = _DearHandOverLoaders()
+    trainer.fit(model)
+    moved = [r for r in tuner.history if r.reason.kind is ReasonKind.HANDED_OVER]
+    assert moved and moved[0].config.num_workers > 0 and moved[0].next_config.num_workers == 0, tuner.history
+    assert "though a batch was ready at every fetch" in reason_text(moved[0].reason)
+    assert tuner.history[-1].next_config.num_workers == 0, [reason_text(r.reason) for r in tuner.history]
+    rate = lambda workers: max(r.stats.samples_per_s for r in tuner.history if r.num_workers == workers)  # noqa: E731
+    assert rate(0) > 1.1 * rate(moved[0].config.num_workers)
+    assert [sorted(ids) for ids in model.train_indices] == [list(range(TRAIN_LENGTH))] * 3  # each sample once
