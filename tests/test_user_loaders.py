@@ -356,7 +356,7 @@ def test_a_loop_that_waits_on_each_batchs_hand_over_goes_to_zero_workers_and_run
     trainer.fit(model)
     moved = [r for r in tuner.history if r.reason.kind is ReasonKind.HANDED_OVER]
     assert moved and moved[0].config.num_workers > 0 and moved[0].next_config.num_workers == 0, tuner.history
-    assert "though a batch was ready at every fetch" in reason_text(moved[0].reason)
+    assert "though a batch was ready at" in reason_text(moved[0].reason)
     assert tuner.history[-1].next_config.num_workers == 0, [reason_text(r.reason) for r in tuner.history]
     rate = lambda workers: max(r.stats.samples_per_s for r in tuner.history if r.num_workers == workers)  # noqa: E731
     assert rate(0) > 1.1 * rate(moved[0].config.num_workers)

@@ -156,3 +156,19 @@ def test_the_table_tells_each_windows_story_and_cites_the_median_window():
     cpu_bound = replace(later, verdict=Verdict.DATA_BOUND_CPU, config=LoaderConfig(num_workers=12, prefetch_factor=8))
     row = [line for line in summary_table([cpu_bound], None).splitlines() if "data-bound" in line]
     assert row and row[0].rstrip().endswith("data-bound (CPU saturated)")  # a row is one line
+
+
+def test_a_move_to_zero_workers_for_the_hand_over_says_how_often_a_batch_was_ready():
+    numbers = {"starvation": 0.28, "windows": 2, "workers": 4, "wait_s": 0.008, "batch_s": 0.0049, "gain": 0.13}
+    every = reason_text(Reason(ReasonKind.HANDED_OVER, {**numbers, "ready": 1.0, "to": (0, 2)}))
+    assert every == (
+        "starved 28% over 2 windows though a batch was ready at every fetch: taking one from a worker cost the loop "
+        "8.0 ms, making it in the loop should cost ~4.9 ms (+13% expected): 4 workers -> 0 workers"
+    )
+    nearly = reason_text(Reason(ReasonKind.HANDED_OVER, {**numbers, "ready": 0.97, "to": (0, 2)}))
+    assert "though a batch was ready at 97% of fetches: taking one" in nearly
+    held = {"starvation": 0.21, "windows": 3, "workers": 0, "ceiling": 0, "cpu_bound": False}
+    assert reason_text(Reason(ReasonKind.AT_WORKER_CEILING, held)) == (
+        "starved 21% over 3 windows with 0 workers, but taking a batch from a worker cost the loop more than making "
+        "it: holding"
+    )

@@ -599,8 +599,9 @@ def _handed_over(case: _Case, starved: dict) -> Optional[_Rule]:
     No worker count or prefetch depth shortens that wait (every worker's batch is unpickled out of shared
     memory in the loop's time); 0 workers do not pay it, the loop makes each batch itself instead. Where that
     costs clearly less (the loop's measured rate below what 0 workers make by the model, at a cost two standard
-    errors above the windows' mean, by ``min_gain``), 0 workers are measured, on two windows' evidence: judged
-    by their speed like any give-back from below the band, and, kept, the workers' ceiling under today's
+    errors above the windows' mean, by ``min_gain``), 0 workers are measured on the first window that shows it (a
+    starved window costs throughput for certain): judged by their speed like any give-back from below the band
+    (a wrong move is undone on its second window), and, kept, the workers' ceiling under today's
     conditions (:mod:`~lightning_dltune.core.history`). Only where the loader measured a batch's cost and CPU
     share, never back to 0 workers after a step up from them paid, nor to 0 workers undone.
     """
@@ -614,8 +615,9 @@ def _handed_over(case: _Case, starved: dict) -> Optional[_Rule]:
     zero = current.replace(num_workers=0)
     if gain < settings.min_gain or not case.allowed(zero, starved_below=False):
         return None
-    numbers = {**starved, "wait_s": stats.fetch_wait_mean_s, "batch_s": in_loop_s, "gain": gain, "to": pair(zero)}
-    return zero, case.data_verdict, Reason(ReasonKind.HANDED_OVER, numbers)
+    ready = 1.0 - max(stats.stall_fraction, case.latest.stall_fraction)
+    numbers = {**starved, "ready": ready, "wait_s": stats.fetch_wait_mean_s, "batch_s": in_loop_s, "gain": gain}
+    return zero, case.data_verdict, Reason(ReasonKind.HANDED_OVER, {**numbers, "to": pair(zero)})
 
 
 def _stopped_helping(case: _Case) -> Optional[_Rule]:

@@ -408,7 +408,9 @@ _WORDS = {
         f"would hold {_memory(v)}: holding"
     ),
     ReasonKind.HANDED_OVER: lambda v: (
-        f"{_starved(v)} though a batch was ready at every fetch: taking one from a worker cost the loop "
+        f"{_starved(v)} though a batch was ready at "
+        + ("every fetch" if v.get("ready", 1.0) >= 1.0 else f"{v['ready']:.0%} of fetches")
+        + ": taking one from a worker cost the loop "
         f"{_ms(v['wait_s'])}, making it in the loop should cost ~{_ms(v['batch_s'])} ({v['gain']:+.0%} expected): "
         f"{_workers(v['workers'])} -> 0 workers"
     ),
