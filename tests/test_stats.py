@@ -12,6 +12,7 @@ import torch
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.history import recall
 from lightning_dltune.core.model import PipelineModel
+from lightning_dltune.core.policy import decide
 from lightning_dltune.core.records import Budget, PolicySettings, Reason, ReasonKind, Verdict, WindowRecord
 from lightning_dltune.core.stats import (
     Pool,
@@ -221,3 +222,28 @@ def test_stalls_far_longer_than_the_typical_one_are_a_heavy_tail_left_out_of_typ
     old = to_dict(met_one)
     del old["tail_wait_s"]  # a checkpoint from before the fields
     assert from_dict(WindowStats, old).tail_wait_s == 0.0
+
+
+def test_the_workers_cost_reduces_to_the_costliest_rank_so_a_rank_whose_data_is_free_cannot_size_the_config():
+    # a DDP job whose rank 1 reads 60 ms batches and whose rank 0's are free, both fed by 4 workers: rank 0 can be
+    # the more starved one, on taking each batch from a worker alone. Its 0.3 ms batches made the job's cost, and the
+    # tuner gave 4 workers back to 0 at 93 % busy (a batch cheaper to make in the loop than to take from a worker),
+    # a config that would have starved rank 1 three times over (the 2-process DDP fit, at its last window)
+    def fed(fetch_ms: float, batch_s: float, cpu: float) -> WindowStats:
+        stats = window(
+            fetch_ms, 24, batches=40, worker_batch_s=batch_s, worker_batch_p95_s=batch_s, worker_cpu_fraction=cpu
+        )
+        return dataclasses.replace(stats, stalls=0, main_cpu_fraction=0.3)
+
+    free, slow = fed(1.9, 0.0003, 0.98), fed(1.3, 0.061, 0.01)
+    job = reduce_ranks([free, slow])
+    assert job.fetch_wait_total_s == free.fetch_wait_total_s  # the most starved rank holds the others
+    assert (job.worker_batch_s, job.worker_batch_p95_s, job.worker_cpu_fraction) == (0.061, 0.061, 0.01)
+    four = LoaderConfig(num_workers=4)
+    budget = Budget(max_workers=4, cpus=2)
+    history = [WindowRecord(0, four, job, Verdict.IN_BAND, Reason(ReasonKind.IN_BAND), four)]
+    assert decide(four, job, budget, history).config.num_workers > 0
+    # the same job sized from rank 0's cost alone gives them all back
+    alone = dataclasses.replace(job, worker_batch_s=0.0003, worker_batch_p95_s=0.0003, worker_cpu_fraction=0.98)
+    history = [WindowRecord(0, four, alone, Verdict.IN_BAND, Reason(ReasonKind.IN_BAND), four)]
+    assert decide(four, alone, budget, history).config.num_workers == 0

@@ -68,6 +68,9 @@ class Reduce(_StrEnum):
     """How a field reduces across DDP ranks into the job's window."""
 
     WORST = "most starved rank"  # that rank's value: it holds the others at the gradient all-reduce
+    # the rank whose workers take the longest per batch (ties: the most starved): one config must keep every rank
+    # fed, and a cost from a rank whose data is free (most starved only on its hand-over) would size for it alone
+    COSTLIEST = "costliest rank"
     SUM = "sum"
     MIN = "min"  # unknown if any rank does not know it
     MAX = "max"  # unknown if any rank does not know it
@@ -130,13 +133,13 @@ class WindowStats:
     fetches: int = stat(0, Pool.SUM, Reduce.WORST)
     queue_depth: Optional[float] = stat(None, Pool.LATEST, Reduce.WORST)
     startup_s: float = stat(0.0, Pool.SUM, Reduce.WORST)
-    worker_batch_s: Optional[float] = stat(None, Pool.MEAN, Reduce.WORST)
-    worker_cpu_fraction: Optional[float] = stat(None, Pool.MEAN, Reduce.WORST)
+    worker_batch_s: Optional[float] = stat(None, Pool.MEAN, Reduce.COSTLIEST)
+    worker_cpu_fraction: Optional[float] = stat(None, Pool.MEAN, Reduce.COSTLIEST)
     batch_bytes: Optional[int] = stat(None, Pool.LATEST, Reduce.WORST)
     gpu_util: Optional[float] = stat(None, Pool.MEAN, Reduce.MIN)  # the least busy device is the job's
     util_source: UtilSource = stat(UtilSource.ESTIMATE, Pool.LATEST, Reduce.MIN)
     main_cpu_fraction: Optional[float] = stat(None, Pool.MEAN, Reduce.MAX)  # the busiest training process
-    worker_batch_p95_s: Optional[float] = stat(None, Pool.MEAN, Reduce.WORST)  # same conditions: p95s average
+    worker_batch_p95_s: Optional[float] = stat(None, Pool.MEAN, Reduce.COSTLIEST)  # same conditions: p95s average
     worker_batch_max_s: Optional[float] = stat(None, Pool.MAX, Reduce.MAX)  # the slowest batch any rank saw
     warmup_batches: int = stat(0, Pool.SUM, Reduce.MAX)
     settling: int = stat(0, Pool.LATEST, Reduce.MAX)  # any rank still warming up
@@ -256,6 +259,9 @@ def reduce_ranks(per_rank: Sequence[S]) -> S:
         return per_rank[0]
     # the most starved rank; ties go to the lowest rank
     worst = max(range(len(per_rank)), key=lambda i: (per_rank[i].starvation_ratio, -i))
+    # the rank whose workers take the longest per batch (where none can say, the most starved)
+    cost = lambda i: per_rank[i].worker_batch_s if per_rank[i].worker_batch_s is not None else -1.0  # noqa: E731
+    costliest = max(range(len(per_rank)), key=lambda i: (cost(i), per_rank[i].starvation_ratio, -i))
     values = {}
     for f in dataclasses.fields(per_rank[0]):
         reduce, name = f.metadata.get("reduce", Reduce.WORST), f.name
@@ -265,7 +271,7 @@ def reduce_ranks(per_rank: Sequence[S]) -> S:
         elif reduce in (Reduce.MIN, Reduce.MAX):
             values[name] = None if any(v is None for v in column) else (min if reduce is Reduce.MIN else max)(column)
         else:
-            values[name] = column[worst]
+            values[name] = column[costliest if reduce is Reduce.COSTLIEST else worst]
     return type(per_rank[0])(**values)
 
 
