@@ -378,14 +378,12 @@ def test_workers_are_kept_where_making_the_batch_in_the_loop_costs_more_than_the
     assert all(r.config.num_workers >= 1 for r in records), show(records)
 
 
-def test_more_workers_that_did_not_pay_go_back_to_the_fewer_and_no_smaller_step_asks_again():
-    # beside a CPU hog on 2 cores, taking a batch from a worker costs the loop 8 ms whatever the worker count: 4
-    # workers of 10 ms batches against a 20 ms step wait 28 %, and the loop's delivery asks for 7. They gain
-    # nothing (it held 7 before, "staying at 7"); 4 are as fast with 3 processes fewer, and 5 or 6 would only
-    # ask the same question again (made in the loop, a batch would cost it more than the hand-over: 0 is no answer)
+def _four_workers_beside_a_hog(io_s: float) -> tuple[Pipeline, list[WindowRecord]]:
+    """12 windows from 4 workers on 2 cores, a hog on one: 0.5 ms of CPU and ``io_s`` of storage a batch, an 8 ms
+    hand-over from a worker, a 20 ms step."""
     pipeline = Pipeline(
         cpu_s=0.0005,
-        io_s=0.010,
+        io_s=io_s,
         step_s=0.020,
         handover_s=0.008,
         batch_bytes=8 << 10,
@@ -393,9 +391,16 @@ def test_more_workers_that_did_not_pay_go_back_to_the_fewer_and_no_smaller_step_
         step_jitter=STEP_JITTER,
         busy_cores=1.0,
     )
-    records = run_windows(
-        Schedule(((0, pipeline),)), LoaderConfig(num_workers=4), Budget(max_workers=7, cpus=2.0), 2, 12
-    )
+    schedule = Schedule(((0, pipeline),))
+    return pipeline, run_windows(schedule, LoaderConfig(num_workers=4), Budget(max_workers=7, cpus=2.0), 2, 12)
+
+
+def test_more_workers_that_did_not_pay_go_back_to_the_fewer_and_no_smaller_step_asks_again():
+    # beside a CPU hog on 2 cores, taking a batch from a worker costs the loop 8 ms whatever the worker count: 4
+    # workers of 10 ms batches against a 20 ms step wait 28 %, and the loop's delivery asks for 7. They gain
+    # nothing (it held 7 before, "staying at 7"); 4 are as fast with 3 processes fewer, and 5 or 6 would only
+    # ask the same question again (made in the loop, a batch would cost it more than the hand-over: 0 is no answer)
+    pipeline, records = _four_workers_beside_a_hog(io_s=0.010)
     workers = [r.config.num_workers for r in records]
     assert workers[:3] == [4, 7, 7] and workers[3:] == [4] * 9, show(records)
     back = records[2]
@@ -408,19 +413,7 @@ def test_a_loop_that_waits_only_on_the_hand_over_goes_to_zero_workers_and_no_ste
     # the same fit with 5 ms batches: made in the loop (5.5 ms) a batch costs it less than taking it from a worker
     # (8 ms), so 0 workers run 10 % faster than any worker count. Measured on the first window that shows it (no
     # fetch found the queue empty), kept, and no step up from 0 asks the question again
-    pipeline = Pipeline(
-        cpu_s=0.0005,
-        io_s=0.005,
-        step_s=0.020,
-        handover_s=0.008,
-        batch_bytes=8 << 10,
-        noise=NOISE,
-        step_jitter=STEP_JITTER,
-        busy_cores=1.0,
-    )
-    records = run_windows(
-        Schedule(((0, pipeline),)), LoaderConfig(num_workers=4), Budget(max_workers=7, cpus=2.0), 2, 12
-    )
+    pipeline, records = _four_workers_beside_a_hog(io_s=0.005)
     assert [r.config.num_workers for r in records] == [4] + [0] * 11, show(records)
     assert records[0].reason.kind == ReasonKind.HANDED_OVER
     assert all(r.reason.kind == ReasonKind.AT_WORKER_CEILING for r in records[1:]), show(records)

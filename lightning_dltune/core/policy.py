@@ -608,15 +608,15 @@ def _handed_over(case: _Case, starved: dict) -> Optional[_Rule]:
     current, stats, fit, model, settings = case.current, case.stats, case.fit, case.model, case.settings
     if current.num_workers == 0 or stats.worker_batch_s is None or not model.cpu_known:
         return None
-    if max(stats.stall_fraction, case.latest.stall_fraction) > _DRY_QUEUE or model.rate <= 0:
+    stalled = max(stats.stall_fraction, case.latest.stall_fraction)
+    if stalled > _DRY_QUEUE or model.rate <= 0:
         return None
     in_loop_s = (model.cpu_s + model.io_s) * (1.0 + 2.0 * fit.cost_error)
     gain = 1.0 / ((in_loop_s + model.step_mean_s) * model.rate) - 1.0  # 0 workers' rate over the loop's
     zero = current.replace(num_workers=0)
     if gain < settings.min_gain or not case.allowed(zero, starved_below=False):
         return None
-    ready = 1.0 - max(stats.stall_fraction, case.latest.stall_fraction)
-    numbers = {**starved, "ready": ready, "wait_s": stats.fetch_wait_mean_s, "batch_s": in_loop_s, "gain": gain}
+    numbers = {**starved, "ready": 1.0 - stalled, "wait_s": stats.fetch_wait_mean_s, "batch_s": in_loop_s, "gain": gain}
     return zero, case.data_verdict, Reason(ReasonKind.HANDED_OVER, {**numbers, "to": pair(zero)})
 
 
