@@ -32,7 +32,7 @@ from lightning_dltune.core.windows import WindowSchedule
 from lightning_dltune.datamodule import TunableDataModule
 from lightning_dltune.loaders.adopt import UserLoaders
 from lightning_dltune.loaders.torch_internals import describe_failure
-from lightning_dltune.measure.distributed import reduce_across_ranks
+from lightning_dltune.measure.distributed import most_run_batches, reduce_across_ranks
 from lightning_dltune.measure.lightning_internals import (
     hide_not_resumable_warning,
     intercept_loader_requests,
@@ -429,6 +429,7 @@ class DataLoaderTuner(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._said_resume(trainer)
+        self._count_val_run_batches(trainer, pl_module)  # Lightning set up the validation loaders for its bar
         loaders = self._run.datamodule
         if isinstance(loaders, UserLoaders):  # the training loaders arrived: say what the tuner can do with them
             if loaders.refused is not None:
@@ -530,6 +531,7 @@ class DataLoaderTuner(Callback):
         self._probe.pause_util()  # resumed by the next training batch: a checkpoint saved after stays out
         self._val_measuring = not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING
         if self._val_measuring:
+            self._count_val_run_batches(trainer, pl_module)  # reloaded loaders may be longer or shorter
             self._val_probe.attach(trainer, self._run.datamodule)
             self._val_loaders.attach(trainer, self._val_probe.meter)
 
@@ -638,7 +640,9 @@ class DataLoaderTuner(Callback):
         if record is not None and trainer.is_global_zero:
             self._log_window(trainer, record)
             if self._run.val_start is not None and self.verbose >= VERBOSE_LINE:
-                self._say_once(trainer, "val-start", val_start_line(self._run.val_start, record))
+                self._say_once(
+                    trainer, "val-start", val_start_line(self._run.val_start, record, self._run.val_run_batches)
+                )
         if end_batch is not None:  # the rest of the epoch is measured in windows of the config it runs
             if record is not None:
                 self._probe.start(self._run.running_config(record))
@@ -650,6 +654,12 @@ class DataLoaderTuner(Callback):
     def _job_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> WindowStats:
         """The window so far, across ranks (a collective: every rank calls it at the same batch)."""
         return reduce_across_ranks(trainer.strategy, self._probe.local_stats(), trainer.world_size, pl_module.device)
+
+    def _count_val_run_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """How many batches a validation run takes at most (a collective): no more validation workers get work."""
+        self._run.val_run_batches = most_run_batches(
+            trainer.strategy, trainer.num_val_batches, trainer.world_size, pl_module.device
+        )
 
     def _budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Budget:
         return job_budget(

@@ -42,3 +42,15 @@ def test_the_start_clamp_without_a_batch_size_only_applies_the_worker_and_prefet
     budget = Budget(max_workers=3, memory_bytes=1.0, shm_bytes=1.0, cpus=4)
     clamped = clamp_start(LoaderConfig(num_workers=6, prefetch_factor=16), budget, None, 2, PolicySettings())
     assert clamped == LoaderConfig(num_workers=3, prefetch_factor=8)
+
+
+def test_a_run_of_fewer_batches_than_the_worker_budget_lowers_it_and_the_other_sides_share_keeps_that():
+    from lightning_dltune.control.budgets import less_the_other_side
+
+    budget = Budget(7, memory_bytes=1e9, shm_bytes=1e9, cpus=8)
+    assert budget.for_runs_of(None) is budget and budget.for_runs_of(7) is budget and budget.for_runs_of(40) is budget
+    short = budget.for_runs_of(2)
+    assert (short.max_workers, short.run_batches, short.cpus) == (2, 2, 8)
+    assert budget.for_runs_of(0).max_workers == 0
+    shared = less_the_other_side(short, LoaderConfig(num_workers=3, prefetch_factor=2), batch_bytes=1000)
+    assert (shared.max_workers, shared.run_batches) == (2, 2) and shared.memory_bytes < 1e9

@@ -278,3 +278,25 @@ def test_a_validation_start_sized_too_generously_is_given_back_by_its_own_runs(t
     assert data.val_config.num_workers < start and runs[-1].num_workers < start  # given back by the validation runs
     assert data.loader_config.num_workers == 1
     _every_val_sample_once_per_run(model)
+
+
+@pytest.mark.slow
+def test_a_validation_run_of_two_batches_gets_no_more_than_two_workers(trainer_kwargs, caplog):
+    # training runs 4 workers; the validation set is 2 batches of 40 ms against a 1 ms step: the start sized from
+    # training (3-4 workers) and the training config itself would start workers that never get a batch (a loader
+    # hands a run's batches to its workers in turn from the first, every run)
+    tuner = DataLoaderTuner(window_batches=10, window_seconds=0.2, max_workers=4)
+    model = SleepStepModule(step_s=0.02, val_step_s=0.001, record_indices=True)
+    data = SleepyDataModule(
+        train_length=TRAIN, val_length=8, batch_size=BATCH, batch_cost_s=0.04, val_batch_cost_s=0.04, num_workers=4
+    )
+    trainer = pl.Trainer(callbacks=[tuner], **{**trainer_kwargs, "max_epochs": 2, "val_check_interval": 0.5})
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, datamodule=data)
+    runs = tuner.val_history
+    assert len(runs) == 4
+    assert runs[0].num_workers == 2 and all(r.num_workers <= 2 for r in runs)
+    assert trainer.val_dataloaders.num_workers <= 2 and data.val_config.num_workers <= 2
+    assert "a validation run of 2 batches gives work to no more (training runs" in caplog.text
+    assert all(r.num_workers >= 2 for r in tuner.history[:1])  # training kept workers of its own
+    assert [sorted(ids) for ids in model.val_indices] == [list(range(8))] * 4

@@ -172,3 +172,17 @@ def test_a_move_to_zero_workers_for_the_hand_over_says_how_often_a_batch_was_rea
         "starved 21% over 3 windows with 0 workers, but taking a batch from a worker cost the loop more than making "
         "it: holding"
     )
+
+
+def test_a_worker_budget_set_by_a_runs_batches_says_so():
+    # a validation run of 2 batches: the policy's budget is 2 workers, and the words say why
+    budget = Budget(7, cpus=8).for_runs_of(2)
+    over = decide(LoaderConfig(num_workers=5), window(20, step_ms=1, batches=20), budget)
+    assert over.config.num_workers == 2
+    assert reason_text(over.reason) == "5 workers exceed the 2 a run of 2 batches gives work to: 2 workers x prefetch 2"
+    stats = window(40, step_ms=1, batches=20, worker_batch_s=0.04, worker_cpu_fraction=0.05)
+    held = decide(LoaderConfig(num_workers=2), stats, budget)
+    assert held.config.num_workers == 2 and held.reason.kind is ReasonKind.AT_WORKER_BUDGET
+    assert reason_text(held.reason).endswith("but a run of 2 batches gives work to no more workers: holding")
+    plain = decide(LoaderConfig(num_workers=2), stats, Budget(2, cpus=8))
+    assert reason_text(plain.reason).endswith("but 2 workers is the budget's most")

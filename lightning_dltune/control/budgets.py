@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -65,7 +66,7 @@ def clamp_start(
     if batch_bytes:
         held = batch_bytes * (2 if config.pin_memory else 1)
         share = lambda total: None if total is None else max(0.0, total / loaders - held)  # noqa: E731
-        budget = Budget(budget.max_workers, share(budget.memory_bytes), share(budget.shm_bytes), budget.cpus)
+        budget = replace(budget, memory_bytes=share(budget.memory_bytes), shm_bytes=share(budget.shm_bytes))
     return clamp_to_budget(config, batch_bytes, budget, settings)[0]
 
 
@@ -105,7 +106,7 @@ def less_the_other_side(budget: Budget, other: Optional[LoaderConfig], batch_byt
         return budget
     memory, shm = prefetch_bytes(other, batch_bytes)
     less = lambda total, held: None if total is None else max(0.0, total - held)  # noqa: E731
-    return Budget(budget.max_workers, less(budget.memory_bytes, memory), less(budget.shm_bytes, shm), budget.cpus)
+    return replace(budget, memory_bytes=less(budget.memory_bytes, memory), shm_bytes=less(budget.shm_bytes, shm))
 
 
 def _or_inf(value: Optional[float]) -> float:

@@ -83,6 +83,7 @@ class TuningRun:
         self.restored_positions: list[dict[str, Any]] = []  # a project's own train loaders' places in the epoch
         self.restored_val_config: Optional[LoaderConfig] = None  # the validation side's own config, from a checkpoint
         self.val_start: Optional[LoaderConfig] = None  # the validation side's first config, sized by a training window
+        self.val_run_batches: Optional[int] = None  # the most batches a validation run takes (None: unknown)
 
     @property
     def tuning(self) -> bool:
@@ -169,7 +170,10 @@ class TuningRun:
             return
         follows = record.next_config
         val_budget = less_the_other_side(budget, follows, record.stats.batch_bytes)  # the idle training workers
+        val_budget = val_budget.for_runs_of(self.val_run_batches)
         start = first_val_config(record.config, record.stats, follows, val_budget, self.settings)
+        if start is None and follows.num_workers > val_budget.max_workers:  # workers a run would leave idle
+            start = follows.replace(num_workers=val_budget.max_workers)
         if start is not None:  # a start, not a rebuild: the validation loaders have not run yet
             self.val_start = start
             datamodule.switch_val_loaders(start, on_failure=self.rolled_back)
@@ -192,6 +196,7 @@ class TuningRun:
         """
         if stats.fetches == 0:
             return None
+        budget = budget.for_runs_of(self.val_run_batches)
         decision = broadcast(decide(config, stats, budget, self.val_history, self.settings, VAL_FEWEST_BATCHES))
         record = _record(epoch, config, stats, decision, None, global_step)
         self.val_history.append(record)

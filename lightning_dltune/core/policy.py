@@ -384,7 +384,12 @@ def _over_budget(case: _Case) -> Optional[_Rule]:
     if limit == "workers":
         reason = Reason(
             ReasonKind.OVER_WORKERS,
-            {"workers": current.num_workers, "max_workers": budget.max_workers, "to": pair(clamped)},
+            {
+                "workers": current.num_workers,
+                "max_workers": budget.max_workers,
+                "run_batches": budget.run_batches,
+                "to": pair(clamped),
+            },
         )
     else:
         reason = Reason(
@@ -865,7 +870,7 @@ def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling
     if limit == cpu_limit and not case.cpu_bound and workers < reach:
         measured = _measured_step(case, starved, cost, reach)
     if measured is not None or limit != cpu_limit:
-        return measured or (current, case.data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost}))
+        return measured or (current, case.data_verdict, _at_worker_budget(case, starved, cost))
     cut = _oversubscribed_cut(case, cpu_limit) if _oversubscribed(case) else None
     if cut is not None:
         verdict = _modelled_cpu_verdict(case)
@@ -878,7 +883,12 @@ def _at_worker_limit(case: _Case, starved: dict, cost: dict, limit: int, ceiling
         verdict = _modelled_cpu_verdict(case)
         numbers = {**starved, **cpus, "cpu_bound": verdict is Verdict.DATA_BOUND_CPU}
         return current, verdict, Reason(ReasonKind.CPUS_SATURATED, numbers)
-    return current, case.data_verdict, Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost})
+    return current, case.data_verdict, _at_worker_budget(case, starved, cost)
+
+
+def _at_worker_budget(case: _Case, starved: dict, cost: dict) -> Reason:
+    """Holding at the worker budget's most (and, where a run's batches set it, how many those are)."""
+    return Reason(ReasonKind.AT_WORKER_BUDGET, {**starved, **cost, "run_batches": case.budget.run_batches})
 
 
 def _light_prefetch(target: LoaderConfig, batch_bytes: Optional[int], budget: Budget) -> LoaderConfig:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Union
 
 from lightning_dltune.core import validation
@@ -102,12 +102,27 @@ class Budget:
             pinned copies) may hold; ``None``: unknown, not enforced.
         shm_bytes: most bytes of ``/dev/shm`` those batches may hold; ``None``: unknown.
         cpus: usable CPUs of this rank (for the CPU-saturation model).
+        run_batches: the most batches one run of the loaders takes (an epoch, a validation run), where
+            that is fewer than ``max_workers`` would be and so lowers it (:meth:`for_runs_of`); else ``None``.
     """
 
     max_workers: int
     memory_bytes: Optional[float] = None
     shm_bytes: Optional[float] = None
     cpus: float = 1.0
+    run_batches: Optional[int] = None
+
+    def for_runs_of(self, batches: Optional[int]) -> Budget:
+        """This budget for loaders whose runs take at most ``batches`` batches (``None``: unknown, unchanged).
+
+        A DataLoader hands a run's batch indices to its workers in turn from the first worker on, every
+        epoch (persistent workers included): a run of ``batches`` batches gives work to at most that many
+        workers, and any more start, hold memory and sit idle (a validation set of 2 batches under
+        7 workers: 5 of them never make a batch). So ``max_workers`` is at most ``batches``.
+        """
+        if batches is None or batches >= self.max_workers:
+            return self
+        return replace(self, max_workers=max(0, batches), run_batches=max(0, batches))
 
 
 @dataclass(frozen=True)

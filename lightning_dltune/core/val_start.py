@@ -10,7 +10,8 @@ within the CPUs it counts and the budget. From its first run on the validation s
 runs (a prior sized too high is given back as slack; one too low adds workers).
 
 The prior only ever adds workers to the training config: a validation loader is never started leaner than
-the training one.
+the training one, except where its runs are shorter than that config's workers (the budget then says so:
+:meth:`~lightning_dltune.core.records.Budget.for_runs_of`, and the caller starts it at that many).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ whole row (the most starved) rather than reducing each state on its own.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, TypeVar
+import math
+from typing import Any, Optional, Sequence, TypeVar
 
 import torch
 
@@ -39,3 +40,15 @@ def reduce_across_ranks(strategy: Any, stats: S, world_size: int, device: Any = 
         return stats
     gathered = strategy.all_gather(pack(stats, device))
     return reduce_ranks(unpack(type(stats), gathered))
+
+
+def most_run_batches(strategy: Any, lengths: Sequence[float], world_size: int, device: Any = "cpu") -> Optional[int]:
+    """The most batches one run of a rank's loaders takes (``lengths``: each loader's, as Lightning counts
+    them), the largest on any rank; ``None`` where a loader's length is unknown (``inf``) or none is given.
+
+    Every rank must call it at the same point (a collective); with one process no communication.
+    """
+    most = max((float(n) for n in lengths), default=math.inf)
+    if world_size > 1:
+        most = float(strategy.reduce(torch.tensor(most, dtype=torch.float64, device=device), reduce_op="max"))
+    return int(most) if math.isfinite(most) else None

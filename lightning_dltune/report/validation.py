@@ -10,7 +10,7 @@ does not. Where validation has several loaders, each one's part of a run is show
 from __future__ import annotations
 
 import io
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -82,8 +82,17 @@ def val_line(record: WindowRecord, tuning: bool, parts: Sequence[ValLoaderRun] =
     )
 
 
-def val_start_line(start: LoaderConfig, record: WindowRecord) -> str:
-    """The console's note on the validation side's first config, sized from the training window ``record``."""
+def val_start_line(start: LoaderConfig, record: WindowRecord, run_batches: Optional[int] = None) -> str:
+    """The console's note on the validation side's first config, sized from the training window ``record``
+    (or cut to the ``run_batches`` workers a validation run gives work to)."""
+    if run_batches is not None and start.num_workers == run_batches < record.next_config.num_workers:
+        workers = f"{start.num_workers} worker{'' if start.num_workers == 1 else 's'}"
+        batches = f"{run_batches} batch{'' if run_batches == 1 else 'es'}"
+        return (
+            f"[dltune] validation starts at {workers} x prefetch {start.prefetch_factor} of its own: a validation"
+            f" run of {batches} gives work to no more (training runs {record.next_config.num_workers}); its own"
+            f" runs decide from the first that holds {VAL_FEWEST_BATCHES} batches"
+        )
     s = record.stats
     cost = f", a batch takes {1e3 * s.worker_batch_s:.0f} ms to make" if s.worker_batch_s is not None else ""
     return (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from lightning_dltune.core.records import Reason, ReasonKind, WindowRecord
 from lightning_dltune.core.stats import UtilSource
@@ -223,6 +223,17 @@ def _workers(n: int) -> str:
     return f"{n} worker" + ("" if n == 1 else "s")
 
 
+def _batches(n: int) -> str:
+    return f"{n} batch" + ("" if n == 1 else "es")
+
+
+def _worker_budget(v: Mapping[str, Any], max_workers: int) -> str:
+    """The worker budget, and why it is that low where a run's batches set it."""
+    if v.get("run_batches") is not None:
+        return f"the {max_workers} a run of {_batches(v['run_batches'])} gives work to"
+    return f"the budget of {max_workers}"
+
+
 def _short(config: Sequence[int]) -> str:
     workers, prefetch = config
     if workers == 0:
@@ -335,7 +346,7 @@ _WORDS = {
     ),
     ReasonKind.OVER_MEMORY: lambda v: f"{_short(v['config'])} would hold {_memory(v)}: {_short(v['to'])}",
     ReasonKind.OVER_WORKERS: lambda v: (
-        f"{_workers(v['workers'])} exceed the budget of {v['max_workers']}: {_short(v['to'])}"
+        f"{_workers(v['workers'])} exceed {_worker_budget(v, v['max_workers'])}: {_short(v['to'])}"
     ),
     ReasonKind.OVER_PREFETCH: lambda v: (
         f"prefetch {v['prefetch']} exceeds the most allowed, {v['max_prefetch']}: {_short(v['to'])}"
@@ -396,7 +407,12 @@ _WORDS = {
         else f"{_starved(v)}, and {_workers(v['workers'])} are as many as the {_cpus(v)} are counted to take: holding"
     ),
     ReasonKind.AT_WORKER_BUDGET: lambda v: (
-        f"{_starved(v)}; {_cost(v)}, but {_workers(v['workers'])} is the budget's most"
+        f"{_starved(v)}; {_cost(v)}, but "
+        + (
+            f"a run of {_batches(v['run_batches'])} gives work to no more workers: holding"
+            if v.get("run_batches") is not None
+            else f"{_workers(v['workers'])} is the budget's most"
+        )
     ),
     ReasonKind.NO_MODELLED_GAIN: lambda v: (
         f"{_starved(v)}; {_cost(v)}, and {_workers(v['wanted'])} would gain only {v['gain']:+.0%} on "
