@@ -1173,6 +1173,27 @@ def test_a_measured_cost_rise_that_starves_a_fed_loop_is_acted_on_at_once():
     assert decide(decision.config, after, ROOMY, history).config == decision.config
 
 
+def test_a_cost_rise_inside_the_window_that_shows_it_is_sized_from_its_newest_batches():
+    # the benchmark's drift-epoch: storage 3x slower (47 ms -> 130 ms a batch) part-way through a window that a
+    # look then closed on the starved loop. Its mean mixes both conditions (77 ms); sized from it, 5 workers ran
+    # 88 % busy, in the band, and held 12 % slower than the 7 that feed a 22 ms step. Its slowest batches are the
+    # new conditions': the p95 over the earlier windows' p95-to-mean ratio (50 / 47) is the new cost, ~122 ms
+    fed = [
+        record(i, cfg(3), replace(window(0.5, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
+                                  worker_batch_p95_s=0.050), cfg(3))
+        for i in range(3)
+    ]
+    mixed = replace(window(6.5, 22, worker_ms=77, cpu_fraction=0.03), worker_batch_p95_s=0.130)
+    decision = decide(cfg(3), mixed, ROOMY, fed)
+    assert decision.reason.kind == ReasonKind.MORE_WORKERS
+    assert decision.config.num_workers >= 7  # 1.2 x 122 / 22 = 6.7; the mean's 77 ms sized 5
+    assert decision.reason.values["shift_newest"] == pytest.approx(0.130 / (0.050 / 47.15e-3), rel=0.01)
+    assert "(batch time 47 ms -> 77 ms, its newest batches ~122 ms), judged afresh" in reason_text(decision.reason)
+    # a window whose spread is the earlier ones' (all of it under the new conditions) is sized from its mean
+    whole = replace(window(20, 22, worker_ms=130, cpu_fraction=0.03), worker_batch_p95_s=0.130 * 50 / 47)
+    assert "shift_newest" not in decide(cfg(3), whole, ROOMY, fed).reason.values
+
+
 def test_a_give_back_that_met_slower_storage_is_judged_afresh_not_held_to_confirm_its_loss():
     # 7 x 8 fed the loop on 47 ms batches and gave back to 2 x 8 as storage got 3x slower: the give-back's first
     # window starves (57 %) on 130 ms batches. Fewer workers make their batches no slower: the cost is new

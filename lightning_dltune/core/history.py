@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
@@ -34,6 +34,7 @@ SHIFT_STARVATION = 0.15  # ... or starvation that moved by more than this (absol
 SHIFT_SIGMAS = 3.0  # ... and by more than this many standard deviations of the pooled windows: new conditions
 SHIFT_FELT = 0.05  # a cost's move, shared among the workers, is at least this share of a step: one the loop cannot
 # feel (7 workers' 1.1 ms batches down to 0.4 ms beside a 20 ms step) is no new condition for the loaders
+MIXED_COST = 2**0.25  # a window's p95 cost read as its newest batches' must clear its mean by a p95 bin's width
 PARTIAL_MOVE = 2 / 3  # a shift's first window that moved less than this of the second's way holds the change inside it
 CONFIRM_BATCHES = 10  # a window that confirms a suspected shift holds at least this many batches
 _Z95 = 1.6449  # a normal's p95, in standard deviations
@@ -99,6 +100,7 @@ class Shift:
     signal: str  # "worker time per batch", "batch time", "step time", "starvation"
     before: float
     now: float
+    newest: Optional[float] = None  # a rise inside the window that shows it: the new conditions' cost per batch
 
 
 @dataclass(frozen=True)
@@ -585,7 +587,27 @@ def starved_rise(
     shift = detect_shift(prior, new, workers, part=part)
     if shift is None or shift.signal != "batch time" or shift.now <= shift.before:
         return None
-    return shift
+    newest = newest_cost(prior, new) if workers > 0 else None
+    return replace(shift, newest=newest) if newest is not None else shift
+
+
+def newest_cost(prior: Sequence[WindowStats], new: WindowStats) -> Optional[float]:
+    """The new conditions' cost per batch where ``new`` holds a rise in it, ``None`` where its mean says it.
+
+    A window that shows a rise on its own was mostly closed by a look at the change (the loop starved part-way):
+    its batches made before the change and after it average to a cost between the two, and workers sized for
+    that average starve under the new one (storage 3x slower half-way through an epoch: 46 ms before, 120 ms
+    after, a window averaging 69-81 ms sized 5 workers where 7 feed the step; 5 then ran at 88 %, in the band,
+    and held, 12 % slower than 6 for the rest of the epoch). Its slowest batches are the new conditions': the
+    window's p95 time per batch over the earlier windows' p95-to-mean ratio (their spread under the old
+    conditions, which the new keep) is the new mean, where that is clearly above the window's (by more than
+    :data:`MIXED_COST`, the width of the bin a p95 is read from). Needs the workers' p95 in every window.
+    """
+    ratios = [w.worker_batch_p95_s / w.worker_batch_s for w in prior if w.worker_batch_s and w.worker_batch_p95_s]
+    if len(ratios) < len(prior) or not ratios or not new.worker_batch_s or not new.worker_batch_p95_s:
+        return None
+    newest = new.worker_batch_p95_s / (sum(ratios) / len(ratios))
+    return newest if newest > MIXED_COST * new.worker_batch_s else None
 
 
 def _moved(shift: Shift) -> float:

@@ -33,7 +33,9 @@ How :func:`decide` thinks, first rule that applies wins:
    inside it (:func:`~lightning_dltune.core.history.starved_rise`): the workers' own cost per batch rose
    (its typical batch too) and the loop, fed by the config's earlier windows, is clearly below the band
    and waiting on data; holding to confirm costs a starved window for certain, and a step up that did
-   not pay is undone. Also on a give-back's first window, against the windows of the config it left:
+   not pay is undone. That window mostly holds the change inside it (a look closed it on the starved
+   loop): the step up is sized from its newest batches' cost, its p95 over the earlier windows' spread,
+   not from its mean of both conditions (:func:`~lightning_dltune.core.history.newest_cost`). Also on a give-back's first window, against the windows of the config it left:
    fewer workers make their batches no slower, so the rise is storage's, not the give-back's. The replay
    covers the fit's latest 256 windows (``REPLAYED_WINDOWS``), so that a decision costs the same late in a
    long fit as early: older ones are forgotten as new conditions would forget them.
@@ -213,6 +215,8 @@ def decide(
         reason = replace(reason, values={**reason.values, "budget_allows": pair(clamped)})
     if fit.shift is not None:
         reason = replace(reason, values={**reason.values, "shift": (fit.shift.signal, fit.shift.before, fit.shift.now)})
+        if fit.shift.newest is not None:
+            reason = replace(reason, values={**reason.values, "shift_newest": fit.shift.newest})
     confirm = fit.confirm_batches if reason.kind is ReasonKind.SHIFT_SUSPECTED else None
     return Decision(
         config=config,
@@ -297,8 +301,11 @@ def _apply_rules(
     if stats.batches <= 0 or stats.step_mean_s <= 0:
         return current, Verdict.IN_BAND, Reason(ReasonKind.NOTHING_MEASURED)
 
+    costed = stats  # a rise inside the window that shows it: the model sizes for the new conditions' cost
+    if fit.shift is not None and fit.shift.newest is not None and current.num_workers > 0:
+        costed = replace(stats, worker_batch_s=fit.shift.newest)
     model = PipelineModel.infer(
-        current.num_workers, stats, budget.cpus, settings.burst_stall_fraction, current.prefetch_factor
+        current.num_workers, costed, budget.cpus, settings.burst_stall_fraction, current.prefetch_factor
     )
     # CPU saturation is a measurement, not the model's belief: production's and the training process's CPU use
     # near the usable CPUs. Without it a data-bound window counts as I/O-bound

@@ -182,7 +182,9 @@ def reason_text(reason: Reason, estimate: bool = False) -> str:
         text += f"; the budget allows {_short(v['budget_allows'])}"
     if "shift" in v:
         signal, before, now = v["shift"]
-        text = f"conditions changed ({signal} {_level(signal, before)} -> {_level(signal, now)}), judged afresh: {text}"
+        newest = f", its newest batches ~{_ms(v['shift_newest'])}" if "shift_newest" in v else ""
+        moved = f"{signal} {_level(signal, before)} -> {_level(signal, now)}{newest}"
+        text = f"conditions changed ({moved}), judged afresh: {text}"
     return text
 
 
