@@ -35,8 +35,9 @@ How :func:`decide` thinks, first rule that applies wins:
    and waiting on data; holding to confirm costs a starved window for certain, and a step up that did
    not pay is undone. That window mostly holds the change inside it (a look closed it on the starved
    loop): the step up is sized from its newest batches' cost, its p95 over the earlier windows' spread,
-   not from its mean of both conditions (:func:`~lightning_dltune.core.history.newest_cost`). Also on a give-back's first window, against the windows of the config it left:
-   fewer workers make their batches no slower, so the rise is storage's, not the give-back's. The replay
+   not from its mean of both conditions (:func:`~lightning_dltune.core.history.newest_cost`). Also on
+   a give-back's first window, against the windows of the config it left: fewer workers make their
+   batches no slower, so the rise is storage's, not the give-back's. The replay
    covers the fit's latest 256 windows (``REPLAYED_WINDOWS``), so that a decision costs the same late in a
    long fit as early: older ones are forgotten as new conditions would forget them.
 3. **Rebuild cap.** After ``max_rebuilds`` changes under the same conditions (in those 256 windows),
