@@ -102,8 +102,9 @@ class Budget:
             pinned copies) may hold; ``None``: unknown, not enforced.
         shm_bytes: most bytes of ``/dev/shm`` those batches may hold; ``None``: unknown.
         cpus: usable CPUs of this rank (for the CPU-saturation model).
-        run_batches: the most batches one run of the loaders takes (an epoch, a validation run), where
-            that is fewer than ``max_workers`` would be and so lowers it (:meth:`for_runs_of`); else ``None``.
+        run_batches: the most batches one run of the loaders takes (the validation side's: a validation
+            run), where that is fewer than ``max_workers`` would be and so lowers it (:meth:`for_runs_of`);
+            else ``None``.
     """
 
     max_workers: int
