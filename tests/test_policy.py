@@ -1126,6 +1126,16 @@ def test_prefetch_a_step_up_paid_for_is_not_given_back():
 # Faster confirmation; the best config under the latest conditions
 
 
+def _fed_on_47_ms_batches(config: LoaderConfig) -> list:
+    """Three windows of ``config`` that fed a 22 ms step on 47 ms batches (a p95 of 50 ms): the conditions before
+    storage slows."""
+    return [
+        record(i, config, replace(window(0.5, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
+                                  worker_batch_p95_s=0.050), config)
+        for i in range(3)
+    ]
+
+
 def test_a_suspected_shift_asks_for_a_short_window_to_confirm_it():
     steady = window(5, 10, worker_ms=40, cpu_fraction=0.2)
     history = [record(i, cfg(4), replace(steady, worker_batch_s=0.040 + 0.001 * (i % 2)), cfg(4)) for i in range(4)]
@@ -1141,11 +1151,7 @@ def test_a_shift_inside_its_suspect_window_asks_for_a_short_confirming_window():
     # storage 3x slower a third of the way from a window's end: 47 ms batches, then 130 ms ones. The window's
     # mean (75 ms) moved a third of the way and its p95 is the new batches' typical one: read as the
     # window's spread (33 ms a batch) it asked for a whole window to confirm what 10 batches tell
-    history = [
-        record(i, cfg(2), replace(window(0.5, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
-                                  worker_batch_p95_s=0.050), cfg(2))
-        for i in range(3)
-    ]
+    history = _fed_on_47_ms_batches(cfg(2))
     # (the loop still fed by the batches in flight: a starved one is acted on at once, below)
     mixed = replace(window(1.5, 22, worker_ms=75, cpu_fraction=0.03, stall_fraction=0.1), worker_batch_p95_s=0.130)
     decision = decide(cfg(2), mixed, ROOMY, history)
@@ -1157,11 +1163,7 @@ def test_a_measured_cost_rise_that_starves_a_fed_loop_is_acted_on_at_once():
     # storage 3x slower: the workers measure 47 ms -> 130 ms a batch (their p95 with it) and the loop, fed at
     # 98 % in the windows before, waits 48 % of its time. Two measurements agree inside the window: holding a
     # window to confirm would cost a starved window's throughput for certain
-    fed = [
-        record(i, cfg(2), replace(window(0.5, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
-                                  worker_batch_p95_s=0.050), cfg(2))
-        for i in range(3)
-    ]
+    fed = _fed_on_47_ms_batches(cfg(2))
     slower = replace(window(20, 22, worker_ms=130, cpu_fraction=0.03), worker_batch_p95_s=0.140)
     decision = decide(cfg(2), slower, ROOMY, fed)
     assert decision.reason.kind == ReasonKind.MORE_WORKERS
@@ -1178,11 +1180,7 @@ def test_a_cost_rise_inside_the_window_that_shows_it_is_sized_from_its_newest_ba
     # look then closed on the starved loop. Its mean mixes both conditions (77 ms); sized from it, 5 workers ran
     # 88 % busy, in the band, and held 12 % slower than the 7 that feed a 22 ms step. Its slowest batches are the
     # new conditions': the p95 over the earlier windows' p95-to-mean ratio (50 / 47) is the new cost, ~122 ms
-    fed = [
-        record(i, cfg(3), replace(window(0.5, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
-                                  worker_batch_p95_s=0.050), cfg(3))
-        for i in range(3)
-    ]
+    fed = _fed_on_47_ms_batches(cfg(3))
     mixed = replace(window(6.5, 22, worker_ms=77, cpu_fraction=0.03), worker_batch_p95_s=0.130)
     decision = decide(cfg(3), mixed, ROOMY, fed)
     assert decision.reason.kind == ReasonKind.MORE_WORKERS
@@ -1215,11 +1213,7 @@ def test_a_give_back_that_met_slower_storage_is_judged_afresh_not_held_to_confir
 
 
 def test_a_cost_rise_the_loop_does_not_feel_or_an_already_starved_loop_still_waits_for_a_second_window():
-    fed = [
-        record(i, cfg(2), replace(window(0.5, 22, worker_ms=47 + 0.3 * (i % 2), cpu_fraction=0.03),
-                                  worker_batch_p95_s=0.050), cfg(2))
-        for i in range(3)
-    ]
+    fed = _fed_on_47_ms_batches(cfg(2))
     # the batches in flight still feed the loop: suspected, confirmed by a short window
     fed_still = replace(window(1.0, 22, worker_ms=130, cpu_fraction=0.03, stall_fraction=0.1), worker_batch_p95_s=0.140)
     assert decide(cfg(2), fed_still, ROOMY, fed).reason.kind == ReasonKind.SHIFT_SUSPECTED

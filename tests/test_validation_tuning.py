@@ -298,5 +298,5 @@ def test_a_validation_run_of_two_batches_gets_no_more_than_two_workers(trainer_k
     assert runs[0].num_workers == 2 and all(r.num_workers <= 2 for r in runs)
     assert trainer.val_dataloaders.num_workers <= 2 and data.val_config.num_workers <= 2
     assert "a validation run of 2 batches gives work to no more (training runs" in caplog.text
-    assert all(r.num_workers >= 2 for r in tuner.history[:1])  # training kept workers of its own
+    assert data.loader_config.num_workers > 2  # training keeps the workers its 40 ms batches need
     assert [sorted(ids) for ids in model.val_indices] == [list(range(8))] * 4
