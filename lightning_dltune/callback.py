@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
@@ -17,6 +18,7 @@ from lightning_dltune.control.budgets import (
     clamp_datamodule_start,
     clamp_notice,
     clamp_start,
+    fit_batches_left,
     job_budget,
     less_the_other_side,
 )
@@ -621,6 +623,7 @@ class DataLoaderTuner(Callback):
             getattr(self._run.datamodule, "_val_config", None),
             None if val is None else val.stats.batch_bytes,
         )
+        budget = replace(budget, batches_left=fit_batches_left(trainer, end_batch))
         record = self._run.close_window(
             config,
             stats,

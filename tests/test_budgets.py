@@ -1,6 +1,12 @@
-"""budgets: the worker cap after a failed switch and the start clamp (pure parts; DDP reduction runs in test_ddp)."""
+"""budgets: the worker cap after a failed switch, the start clamp (pure parts; DDP reduction runs in test_ddp), and
+the batches a fit has left (read from a real Trainer)."""
 
-from lightning_dltune.control.budgets import cap_after_failure, clamp_start
+import lightning.pytorch as pl
+import pytest
+from fit_workloads import SleepStepModule, SleepyDataset
+from torch.utils.data import DataLoader
+
+from lightning_dltune.control.budgets import cap_after_failure, clamp_start, fit_batches_left
 from lightning_dltune.core.config import LoaderConfig
 from lightning_dltune.core.records import Budget, PolicySettings
 
@@ -54,3 +60,52 @@ def test_a_run_of_fewer_batches_than_the_worker_budget_lowers_it_and_the_other_s
     assert budget.for_runs_of(0).max_workers == 0
     shared = less_the_other_side(short, LoaderConfig(num_workers=3, prefetch_factor=2), batch_bytes=1000)
     assert (shared.max_workers, shared.run_batches) == (2, 2) and shared.memory_bytes < 1e9
+
+
+class _BatchesLeft(pl.Callback):
+    """What ``fit_batches_left`` says after each batch and at each epoch end, beside the batches trained so far."""
+
+    def __init__(self) -> None:
+        self.trained = 0
+        self.said: list[tuple[int, object]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.trained += 1
+        self.said.append((self.trained, fit_batches_left(trainer, batch_idx + 1)))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.said.append((self.trained, fit_batches_left(trainer, None)))
+
+
+def _fit(**limits) -> _BatchesLeft:
+    counter = _BatchesLeft()
+    trainer = pl.Trainer(
+        **limits,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[counter],
+    )
+    trainer.fit(SleepStepModule(), train_dataloaders=DataLoader(SleepyDataset(40), batch_size=8))  # 5 batches an epoch
+    return counter
+
+
+@pytest.mark.parametrize("limits", [{"max_epochs": 3}, {"max_epochs": 3, "max_steps": 12}, {"max_epochs": -1, "max_steps": 8}])
+def test_the_batches_a_fit_has_left_are_the_batches_it_then_trains(limits):
+    counter = _fit(**limits)
+    assert counter.trained == min(15, limits.get("max_steps", 15))
+    assert [left for _, left in counter.said] == [counter.trained - trained for trained, _ in counter.said]
+
+
+def test_with_accumulated_batches_the_steps_left_bound_the_batches_left_from_above():
+    # 5 batches an epoch in steps of 2 batches: Lightning steps at each epoch's end too (2 + 2 + 1)
+    counter = _fit(max_epochs=-1, max_steps=7, accumulate_grad_batches=2)
+    assert all(left >= counter.trained - trained for trained, left in counter.said)
+    assert counter.said[-1][1] == 0
+
+
+def test_a_fit_bounded_by_time_alone_has_no_batches_left_to_count():
+    counter = _fit(max_epochs=-1, max_time={"seconds": 1}, limit_train_batches=5)
+    assert counter.said and all(left is None for _, left in counter.said)

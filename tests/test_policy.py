@@ -155,6 +155,30 @@ def test_a_wait_without_a_single_stall_is_no_burst():
     assert decision.reason.kind != ReasonKind.DEEPER_PREFETCH and decision.config.prefetch_factor == 1
 
 
+def test_deeper_prefetch_in_the_band_waits_for_a_fit_long_enough_to_pay_for_its_rebuild():
+    # drift-epoch's second half: 7 x 2 at the budget's most, 93 % busy, 1 % of fetches stalling. Deeper prefetch
+    # wins back at most the loop's 1.7 ms wait a batch; its rebuild costs the 131 ms start measured plus a
+    # 126 ms batch while the lead refills. 211 batches before the fit ends: 0.36 s at most, under twice 0.26 s
+    stats = window(1.7, 21.7, stall_fraction=0.01, worker_ms=126, cpu_fraction=0.03, p95_ms=1.0)
+    history = [record(0, cfg(7), replace(stats, startup_s=0.131), cfg(7))]
+    budget = Budget(max_workers=7, cpus=8)
+
+    for endless in (budget, replace(budget, batches_left=10_000)):
+        assert decide(cfg(7), stats, endless, history).reason.kind == ReasonKind.DEEPER_PREFETCH
+
+    near_the_end = decide(cfg(7), stats, replace(budget, batches_left=211), history)
+    assert near_the_end.config == cfg(7) and near_the_end.verdict == Verdict.IN_BAND
+    unpaid = near_the_end.reason["unpaid"]
+    assert unpaid["gain_s"] == pytest.approx(0.0017 * 211) and unpaid["cost_s"] == pytest.approx(0.131 + 0.126)
+    text = reason_text(near_the_end.reason)
+    assert text.endswith(
+        "holding 7 workers x prefetch 2 (7 workers x prefetch 4 would win back at most 0.36 s of waiting in the"
+        " fit's 211 batches left, under twice a rebuild's 0.26 s)"
+    ), text
+    at_the_end = decide(cfg(7), stats, replace(budget, batches_left=0), history)
+    assert at_the_end.config == cfg(7) and "the fit ends here" in reason_text(at_the_end.reason)
+
+
 def test_steady_starvation_gets_workers_not_prefetch():
     stats = window(8, 10, stall_fraction=1.0, worker_ms=72, cpu_fraction=0.2)
     decision = decide(cfg(4, 2), stats, ROOMY)

@@ -47,6 +47,30 @@ def job_budget(
     return Budget(int(w), None if math.isinf(mem) else mem, None if math.isinf(shm) else shm, cpus)
 
 
+def fit_batches_left(trainer: Any, end_batch: Optional[int]) -> Optional[int]:
+    """The fit's training batches after a window that closed after ``end_batch`` batches of the current epoch
+    (``None``: at the epoch's end): the time a rebuild has to pay for itself in.
+
+    ``max_epochs`` and ``max_steps`` bound it (the tighter wins; a step is ``accumulate_grad_batches`` batches at
+    most: Lightning also steps at an epoch's end).
+    ``None`` where neither does (``-1``: a fit bounded by ``max_time`` or a callback only) or an epoch's length
+    is unknown. The same on every rank: it reads only what every rank shares (the epoch's length is already
+    taken as such: windows close at the same batch index on every rank).
+    """
+    per_epoch = trainer.num_training_batches
+    if not isinstance(per_epoch, (int, float)) or not math.isfinite(per_epoch) or per_epoch <= 0:
+        return None
+    bounds = []
+    max_epochs = trainer.max_epochs
+    if max_epochs is not None and max_epochs >= 0:
+        this_epoch = per_epoch - end_batch if end_batch is not None else 0
+        bounds.append((max_epochs - trainer.current_epoch - 1) * per_epoch + this_epoch)
+    max_steps = trainer.max_steps
+    if max_steps is not None and max_steps >= 0:
+        bounds.append((max_steps - trainer.global_step) * max(1, trainer.accumulate_grad_batches))
+    return max(0, int(min(bounds))) if bounds else None
+
+
 def cap_after_failure(cap: Optional[int], failed: LoaderConfig, restored: LoaderConfig) -> Optional[int]:
     """The worker cap after ``failed`` rolled back to ``restored``: at most halfway back up to what failed."""
     if failed.num_workers <= restored.num_workers:

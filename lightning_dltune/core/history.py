@@ -123,6 +123,7 @@ class FitHistory:
     outgrown: tuple[tuple[int, int], ...] = ()  # (workers, prefetch) that a step up left and paid for, today
     cost_error: float = 0.0  # relative standard error of the data side's cost per batch over ``seen``'s windows
     best_util: float = 0.0  # the highest utilization of windows pooled two or more, under today's conditions
+    start_s: float = 0.0  # the newest loader start measured (its first batch's wait): what a rebuild costs the loop
 
 
 @dataclass
@@ -406,6 +407,7 @@ class _Replay:
             last_change=self.last_change,
             best=_best([(c, w) for c, w, _ in windows[self.conditions_from :]], self.settings.min_gain),
             best_util=self._best_util(),
+            start_s=next((w.startup_s for _, w, _ in reversed(windows) if w.startup_s > 0), 0.0),
             shift=self.shift,
             suspect=suspect,
             confirm_batches=confirm,

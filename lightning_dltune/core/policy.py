@@ -121,7 +121,11 @@ How :func:`decide` thinks, first rule that applies wins:
    measured a batch's cost and CPU share and the model explains the window (it does not see more
    throughput than was measured), the fewest workers that keep the same throughput by the rules of 7
    (without the band's top) are the leanest config: workers the CPUs cannot carry go, on two windows'
-   evidence.
+   evidence. The two that add throughput there are refinements, taken only where the fit lasts long enough
+   to pay for the rebuild twice over: at most the loop's wait a batch is won back, over the fit's batches
+   left, and a rebuild costs a loader start as measured plus one batch's making (the lead the loop had
+   refills); a deeper prefetch at the last quarter of a one-epoch fit held 1 point of utilization for a
+   rebuild that stalled its 25 batches at 62 % busy.
 
 **Verdicts follow the numbers.** *Data-bound (CPU saturated)* needs CPU evidence: the workers' measured
 CPU use (batches per second x their wall time per batch x its CPU share) plus the training process's
@@ -174,6 +178,7 @@ _TAIL = 3.0  # a slowest batch past this many times the p95 is a heavy tail's (a
 _EDGE_WINDOWS = 4  # windows pooled below the band's low edge (within the hysteresis) that are no noise
 _SATURATED = 0.85  # CPU use (production plus the training process) past this share of the usable CPUs: saturated
 _BUSY_MAIN = 0.5  # a training process using this many CPUs or more: the workers' wait is not read as contention
+_PAYBACK = 2.0  # a refinement in the band must win back at most this many times what its rebuild costs
 
 _Rule = tuple[LoaderConfig, Verdict, Reason]
 
@@ -536,28 +541,52 @@ def _against_the_band(case: _Case, latest: WindowStats) -> _Rule:
     clearly_above = util > high + settings.hysteresis + 2 * fit.util_error
     if clearly_above or _slack_the_estimate_hides(case, latest):
         return _give_back(case, above=clearly_above)
-    return (
-        _below_the_edge(case)
-        or _oversubscribed_in_band(case)
-        or _deeper_at_the_budget(case)
-        or _leaner_in_band(case)
-        or (
-            current,
-            Verdict.IN_BAND,
-            Reason(
-                ReasonKind.IN_BAND,
-                {
-                    "util": util,
-                    "windows": fit.windows,
-                    "low": low,
-                    "high": high,
-                    "inside": low <= util <= high,
-                    "starvation": starvation,
-                    "config": pair(current),
-                },
-            ),
-        )
-    )
+    unpaid = None  # a refinement that adds throughput, but which the fit ends too soon to pay for
+    for rule in (_below_the_edge, _oversubscribed_in_band, _deeper_at_the_budget, _leaner_in_band):
+        taken = rule(case)
+        refines = rule in (_below_the_edge, _deeper_at_the_budget)
+        too_late = None if taken is None or not refines else _unpaid(case, taken[0])
+        if taken is not None and too_late is None:
+            return taken
+        unpaid = unpaid or too_late
+    return _hold_in_band(case, unpaid)
+
+
+def _hold_in_band(case: _Case, unpaid: Optional[dict] = None) -> _Rule:
+    """8. Hold (``unpaid``: the numbers of a refinement the fit ends too soon to pay for)."""
+    low, high = case.settings.band
+    util = case.stats.utilization
+    numbers = {
+        "util": util,
+        "windows": case.fit.windows,
+        "low": low,
+        "high": high,
+        "inside": low <= util <= high,
+        "starvation": case.stats.starvation_ratio,
+        "config": pair(case.current),
+    }
+    if unpaid is not None:
+        numbers["unpaid"] = unpaid
+    return case.current, Verdict.IN_BAND, Reason(ReasonKind.IN_BAND, numbers)
+
+
+def _unpaid(case: _Case, target: LoaderConfig) -> Optional[dict]:
+    """The numbers of a refinement in the band (``target``) that the fit ends too soon to pay for; ``None``: it pays,
+    or the fit's length is unknown.
+
+    A move there wins back at most the loop's wait a batch (the pooled windows' fetch wait) over the fit's batches
+    left. A rebuild costs the loop a loader start, as the newest one measured (the wait for its first batch), plus
+    one batch's making: the lead the loop had ahead is gone and refills. The move is taken where the most it can
+    win is :data:`_PAYBACK` times that cost or more.
+    """
+    left, stats = case.budget.batches_left, case.stats
+    if left is None or stats.batches <= 0:
+        return None
+    gain = stats.fetch_wait_total_s / stats.batches * left
+    cost = case.fit.start_s + (stats.worker_batch_s or 0.0)
+    if gain >= _PAYBACK * cost:
+        return None
+    return {"to": pair(target), "gain_s": gain, "cost_s": cost, "left": left}
 
 
 def _slack_the_estimate_hides(case: _Case, latest: WindowStats) -> bool:

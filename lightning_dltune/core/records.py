@@ -105,6 +105,9 @@ class Budget:
         run_batches: the most batches one run of the loaders takes (the validation side's: a validation
             run), where that is fewer than ``max_workers`` would be and so lowers it (:meth:`for_runs_of`);
             else ``None``.
+        batches_left: the fit's training batches after the window judged, the time a rebuild has to pay for
+            itself in (``max_epochs`` and ``max_steps`` bound it); ``None``: unknown (a fit bounded by
+            ``max_time`` only, or the validation side).
     """
 
     max_workers: int
@@ -112,6 +115,7 @@ class Budget:
     shm_bytes: Optional[float] = None
     cpus: float = 1.0
     run_batches: Optional[int] = None
+    batches_left: Optional[int] = None
 
     def for_runs_of(self, batches: Optional[int]) -> Budget:
         """This budget for loaders whose runs take at most ``batches`` batches (``None``: unknown, unchanged).

@@ -297,7 +297,16 @@ def _in_band(v: dict[str, Any]) -> str:
     where = f"band {v['low']:.0%}-{v['high']:.0%}"
     if not v["inside"]:
         where = f"not clearly outside the {where}"
-    return f"{_busy(v)}{_over(v['windows'])} ({where}), starved {v['starvation']:.0%}: holding {_short(v['config'])}"
+    held = f"{_busy(v)}{_over(v['windows'])} ({where}), starved {v['starvation']:.0%}: holding {_short(v['config'])}"
+    unpaid = v.get("unpaid")
+    if unpaid is None:
+        return held
+    if not unpaid["left"]:
+        return f"{held} (the fit ends here: {_short(unpaid['to'])} would not pay for a rebuild)"
+    return (
+        f"{held} ({_short(unpaid['to'])} would win back at most {unpaid['gain_s']:.2f} s of waiting in the fit's"
+        f" {unpaid['left']} batches left, under twice a rebuild's {unpaid['cost_s']:.2f} s)"
+    )
 
 
 def _more_workers(v: dict[str, Any]) -> str:
