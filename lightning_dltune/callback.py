@@ -379,7 +379,7 @@ class DataLoaderTuner(Callback):
             self._run.start_fit()
         if isinstance(datamodule, UserLoaders) and self._run.tuning:
             budget = self._start_budget = self._budget(trainer, pl_module)  # a collective: here, on every rank
-            datamodule.clamp_start = partial(clamp_start, budget=budget, settings=self.settings)
+            datamodule.clamp_start = partial(clamp_start, budget=budget, settings=self.settings, earn=True)
             datamodule.start_from = partial(self._cached_start, trainer)
         if isinstance(datamodule, TunableDataModule):
             self._say_held_workers(trainer)
@@ -391,7 +391,9 @@ class DataLoaderTuner(Callback):
                     datamodule.set_loader_config(cached)
                 if self._start_note is not None:
                     self._say_once(trainer, "start-cache", self._start_note)
-            clamped = clamp_datamodule_start(datamodule, self._budget(trainer, pl_module), self.settings)
+            clamped = clamp_datamodule_start(
+                datamodule, self._budget(trainer, pl_module), self.settings, earn=self._run.tuning
+            )
             if clamped is not None:
                 self._say_once(trainer, "clamped", clamped)
         if trainer.is_global_zero:

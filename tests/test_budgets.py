@@ -1,6 +1,8 @@
 """budgets: the worker cap after a failed switch, the start clamp (pure parts; DDP reduction runs in test_ddp), and
 the batches a fit has left (read from a real Trainer)."""
 
+from dataclasses import replace
+
 import lightning.pytorch as pl
 import pytest
 from fit_workloads import SleepStepModule, SleepyDataset
@@ -62,6 +64,19 @@ def test_a_run_of_fewer_batches_than_the_worker_budget_lowers_it_and_the_other_s
     assert (shared.max_workers, shared.run_batches) == (2, 2) and shared.memory_bytes < 1e9
 
 
+def test_a_start_over_the_worker_budget_begins_at_one_worker_a_cpu_where_the_tuner_earns_the_rest():
+    budget = Budget(max_workers=7, memory_bytes=None, shm_bytes=None, cpus=2)
+    greedy = LoaderConfig(num_workers=16, prefetch_factor=8)
+    assert clamp_start(greedy, budget, None, 1, PolicySettings(), earn=True) == LoaderConfig(2, 8)
+    assert clamp_start(greedy, budget, None, 1, PolicySettings()) == LoaderConfig(7, 8)  # measuring only
+    assert clamp_start(greedy, replace(budget, cpus=1.5), None, 1, PolicySettings(), earn=True).num_workers == 1
+    assert clamp_start(greedy, replace(budget, max_workers=1, cpus=8), None, 1, PolicySettings(), earn=True) == (
+        LoaderConfig(1, 8)
+    )
+    # within the budget, more workers than CPUs are the project's choice: kept
+    assert clamp_start(LoaderConfig(6, 2), budget, None, 1, PolicySettings(), earn=True) == LoaderConfig(6, 2)
+
+
 class _BatchesLeft(pl.Callback):
     """What ``fit_batches_left`` says after each batch and at each epoch end, beside the batches trained so far."""
 
@@ -92,7 +107,9 @@ def _fit(**limits) -> _BatchesLeft:
     return counter
 
 
-@pytest.mark.parametrize("limits", [{"max_epochs": 3}, {"max_epochs": 3, "max_steps": 12}, {"max_epochs": -1, "max_steps": 8}])
+@pytest.mark.parametrize(
+    "limits", [{"max_epochs": 3}, {"max_epochs": 3, "max_steps": 12}, {"max_epochs": -1, "max_steps": 8}]
+)
 def test_the_batches_a_fit_has_left_are_the_batches_it_then_trains(limits):
     counter = _fit(**limits)
     assert counter.trained == min(15, limits.get("max_steps", 15))

@@ -13,6 +13,9 @@ from fit_workloads import SleepStepModule, SleepyDataModule, SleepyDataset
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dltune import DataLoaderTuner, LoaderConfig
+from lightning_dltune.control.budgets import earned_start
+from lightning_dltune.control.resources import rank_budget
+from lightning_dltune.core.records import Budget
 from lightning_dltune.loaders.loader import TunedDataLoader
 
 
@@ -116,6 +119,23 @@ def test_tune_false_never_rebuilds(trainer_kwargs):
     assert tuner.rebuilds == 0
     assert tuner.history[0].changed  # it recommends more workers, without applying them
     assert dm.loader_config.num_workers == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tune", [True, False])
+def test_a_start_over_the_worker_budget_begins_at_one_worker_a_cpu_when_tuning(trainer_kwargs, caplog, tune):
+    # 16 workers x prefetch 8 asked for, 5 allowed: tuning starts at one worker a usable CPU and earns the rest
+    # (the batches here are free: the fit never needs more); only measuring, it runs the budget's 5
+    tuner = DataLoaderTuner(tune=tune, verbose=True, max_workers=5, window_batches=5, window_seconds=0.1)
+    dm = SleepyDataModule(train_length=40, val_length=8, batch_size=4, num_workers=16, prefetch_factor=8)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(SleepStepModule(step_s=0.002), datamodule=dm)
+    first = tuner.history[0].config
+    assert first == LoaderConfig(earned_start(Budget(max_workers=5, cpus=rank_budget().cpus)) if tune else 5, 8)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[dltune] start: ")]
+    assert len(said) == 1 and "workers=16 prefetch=8 pin=off persistent=on exceeds the budget" in said[0]
+    assert ("one worker a usable CPU" in said[0]) == (tune and first.num_workers < 5)
 
 
 @pytest.mark.slow

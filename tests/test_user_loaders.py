@@ -24,7 +24,9 @@ from torch.utils.data import DataLoader, default_collate
 from user_projects import BATCH, TRAIN_LENGTH, VAL_LENGTH, ModuleLoaders, TaggedLoader, fit_shape, train_set, val_set
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.core.records import ReasonKind
+from lightning_dltune.control.budgets import earned_start
+from lightning_dltune.control.resources import rank_budget
+from lightning_dltune.core.records import Budget, ReasonKind
 from lightning_dltune.loaders.adopt import AdoptedLoader, TimedWorkerInit, why_not_tunable
 from lightning_dltune.report.words import reason_text
 
@@ -305,6 +307,8 @@ def test_a_start_over_the_budget_is_clamped_before_any_worker_starts(trainer_kwa
     with caplog.at_level(logging.INFO):
         trainer.fit(_GreedyStart())
     assert max(seen) <= 4  # max_workers=4: the 16 workers the project asked for never started
+    # they start at one worker a usable CPU, and earn more where the loop starves
+    assert seen[0] == earned_start(Budget(max_workers=4, cpus=rank_budget().cpus))
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[dltune] start: ")]
     assert len(said) == 1 and "workers=16 prefetch=8" in said[0] and "exceeds the budget" in said[0]
 
