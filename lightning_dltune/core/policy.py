@@ -178,7 +178,7 @@ _TAIL = 3.0  # a slowest batch past this many times the p95 is a heavy tail's (a
 _EDGE_WINDOWS = 4  # windows pooled below the band's low edge (within the hysteresis) that are no noise
 _SATURATED = 0.85  # CPU use (production plus the training process) past this share of the usable CPUs: saturated
 _BUSY_MAIN = 0.5  # a training process using this many CPUs or more: the workers' wait is not read as contention
-_PAYBACK = 2.0  # a refinement in the band must win back at most this many times what its rebuild costs
+_PAYBACK = 2.0  # the most a refinement in the band can win back must be this many times its rebuild's cost
 
 _Rule = tuple[LoaderConfig, Verdict, Reason]
 
