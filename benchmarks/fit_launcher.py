@@ -4,13 +4,6 @@ The child is ``tuning.py --run-one <spec> --result <file>`` (:func:`fit_runner.r
 session so that a fit past its time limit is killed with its loader workers; its output goes to a log
 file per fit. The parent adds the process's wall time, the load average at its start and the tree's
 memory (the whole fit, and its last two epochs) to what the child recorded.
-
-Every child runs with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``, :data:`MMAP_THRESHOLD`,
-unless the environment sets one): left dynamic, a process that frees one large block raises its threshold and
-from then on keeps later large blocks in its heap, so a worker making 768 KB samples held tens of MB more in
-some runs than in others, at random. The memory-heavy workload's static 4 x 1 peaked at 867-892 MB in three
-runs of four and 467-493 MB in every run with the threshold fixed; the oracle and the tuned fits landed on
-either side by chance. Fixed for every strategy alike, the peaks compare configs, not the allocator's luck.
 """
 
 from __future__ import annotations
@@ -29,8 +22,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 TUNING_SCRIPT = os.path.join(HERE, "tuning.py")
 """The benchmark's entry point; its ``--run-one`` runs one fit in the child."""
-MMAP_THRESHOLD = "131072"
-"""glibc's default starting threshold (128 KiB), fixed: blocks above it are mapped, and unmapped when freed."""
 
 
 def launch(spec: dict[str, Any], log_dir: str, timeout_s: float) -> dict[str, Any]:
@@ -40,7 +31,6 @@ def launch(spec: dict[str, Any], log_dir: str, timeout_s: float) -> dict[str, An
     log_path = os.path.join(log_dir, name + ".log")
     cmd = [sys.executable, TUNING_SCRIPT, "--run-one", json.dumps(spec), "--result", result_path]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)
     load = os.getloadavg()[0]
     started = time.perf_counter()
     with open(log_path, "w") as log:

@@ -52,7 +52,6 @@ for _path in (REPO_ROOT, HERE):
         sys.path.insert(0, _path)
 
 from analysis import analyse  # noqa: E402
-from fit_launcher import MMAP_THRESHOLD  # noqa: E402
 from fit_runner import run_one  # noqa: E402
 from machine import machine_info  # noqa: E402
 from strategies import BAD_START, BAND, rule_of_thumb_workers  # noqa: E402
@@ -186,7 +185,6 @@ def _run_meta(
         "bad_start": {"num_workers": BAD_START[0], "prefetch_factor": BAD_START[1]},
         "band": list(BAND),
         "seed": args.seed,
-        "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 

@@ -75,9 +75,7 @@ def _header_lines(meta: dict[str, Any]) -> list[str]:
         "- **Memory** = peak over the fit of the whole process tree (training process + loader workers): "
         "Σ PSS without shared-memory pages, plus every `/dev/shm` object the tree holds (prefetched batches in "
         f"flight), each once; sampled every >= 50 ms (mean {meta['sampler_interval_ms']:.0f} ms). "
-        '"steady" = the peak over the last two epochs. Every fit runs with glibc\'s mmap threshold fixed at '
-        f"{meta.get('mmap_threshold', 'its dynamic default')} bytes (`MALLOC_MMAP_THRESHOLD_`): left dynamic, "
-        "a worker of large samples keeps tens of MB in its heap in some runs and not in others, at random.",
+        '"steady" = the peak over the last two epochs.',
         "- **samples/s** per epoch = the tuner's measurement: training samples / (fetch wait + step time), "
         "without loader start-up and validation; **fit time** = wall time of `trainer.fit` in the child.",
         "",
