@@ -92,37 +92,32 @@ class _BatchesLeft(pl.Callback):
         self.said.append((self.trained, fit_batches_left(trainer, None)))
 
 
-def _fit(**limits) -> _BatchesLeft:
+def _fit(trainer_kwargs: dict, **limits) -> _BatchesLeft:
     counter = _BatchesLeft()
-    trainer = pl.Trainer(
-        **limits,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[counter],
-    )
+    trainer = pl.Trainer(**limits, limit_val_batches=0, callbacks=[counter], **trainer_kwargs)
     trainer.fit(SleepStepModule(), train_dataloaders=DataLoader(SleepyDataset(40), batch_size=8))  # 5 batches an epoch
     return counter
 
 
+@pytest.mark.slow  # real fits
 @pytest.mark.parametrize(
     "limits", [{"max_epochs": 3}, {"max_epochs": 3, "max_steps": 12}, {"max_epochs": -1, "max_steps": 8}]
 )
-def test_the_batches_a_fit_has_left_are_the_batches_it_then_trains(limits):
-    counter = _fit(**limits)
+def test_the_batches_a_fit_has_left_are_the_batches_it_then_trains(trainer_kwargs, limits):
+    counter = _fit(trainer_kwargs, **limits)
     assert counter.trained == min(15, limits.get("max_steps", 15))
     assert [left for _, left in counter.said] == [counter.trained - trained for trained, _ in counter.said]
 
 
-def test_with_accumulated_batches_the_steps_left_bound_the_batches_left_from_above():
+@pytest.mark.slow  # real fits
+def test_with_accumulated_batches_the_steps_left_bound_the_batches_left_from_above(trainer_kwargs):
     # 5 batches an epoch in steps of 2 batches: Lightning steps at each epoch's end too (2 + 2 + 1)
-    counter = _fit(max_epochs=-1, max_steps=7, accumulate_grad_batches=2)
+    counter = _fit(trainer_kwargs, max_epochs=-1, max_steps=7, accumulate_grad_batches=2)
     assert all(left >= counter.trained - trained for trained, left in counter.said)
     assert counter.said[-1][1] == 0
 
 
-def test_a_fit_bounded_by_time_alone_has_no_batches_left_to_count():
-    counter = _fit(max_epochs=-1, max_time={"seconds": 1}, limit_train_batches=5)
+@pytest.mark.slow  # real fits
+def test_a_fit_bounded_by_time_alone_has_no_batches_left_to_count(trainer_kwargs):
+    counter = _fit(trainer_kwargs, max_epochs=-1, max_time={"seconds": 1}, limit_train_batches=5)
     assert counter.said and all(left is None for _, left in counter.said)
