@@ -66,8 +66,9 @@ How :func:`decide` thinks, first rule that applies wins:
    cannot say what sharing the work out otherwise costs (a batch's CPU cost and in-order delivery's idling
    depend on it), so that is measured too, once under the same conditions: past the CPUs' count, prefetch
    goes to 1 first (the queue is empty whatever its depth: deeper only holds memory), then the workers the
-   CPUs carry; at it, the workers x prefetch batches in flight go to one a worker over more workers (at
-   least one more, at most twice as many). A cut taken below the band's low edge is judged by its speed beyond
+   CPUs carry, two batches in flight each (at one, in-order delivery idles them); at it, the workers x
+   prefetch batches in flight go to one a worker over more workers (at most twice as many; at prefetch 1
+   there is nothing to share out, and it holds). A cut taken below the band's low edge is judged by its speed beyond
    the noise of its windows, a step up on busy CPUs that gains less than ``min_gain`` goes back. The same
    cut is measured at the worker budget's most where the workers' measured CPU share says the CPUs carry
    fewer workers though they came out under busy: nothing up is left to measure there. Past the workers
@@ -797,6 +798,10 @@ def _oversubscribed_cut(case: _Case, cpu_limit: int) -> Optional[LoaderConfig]:
     """Past saturation, starved: first prefetch to 1 (the queue is empty whatever its depth: batches in flight
     beyond one a worker only hold memory), then the workers the CPUs carry (the rest fight over the cores).
 
+    The workers the CPUs carry keep two batches in flight each (the default prefetch) where more than that
+    were in flight: at one each, in-order delivery idles a worker whose batch is done before the one the loop
+    waits on (the benchmark's JPEG pipeline on 2 CPUs: 2 x 1 ran 23 % slower than 2 x 2).
+
     Taken although the loop starved at more resources: a cut at measured saturation is judged by its speed
     (:func:`_judge_last_change`), and not while the last change is still being judged.
     """
@@ -804,7 +809,9 @@ def _oversubscribed_cut(case: _Case, cpu_limit: int) -> Optional[LoaderConfig]:
     if _change_being_judged(case):
         return None
     cuts = [current.replace(prefetch_factor=1)] if current.prefetch_factor > 1 else []
-    cuts.append(current.replace(num_workers=cpu_limit, prefetch_factor=1))
+    in_flight = current.num_workers * current.prefetch_factor
+    carried = 2 if in_flight >= 2 * cpu_limit else 1
+    cuts.append(current.replace(num_workers=cpu_limit, prefetch_factor=carried))
     return next((cut for cut in cuts if case.allowed(cut, starved_below=False)), None)
 
 
@@ -814,17 +821,21 @@ def _saturated_probe(case: _Case, starved: dict, cost: dict, reach: int) -> Opti
     Saturation says the cores are busy, not that the work cannot run faster shared out otherwise: a
     batch's CPU cost and in-order delivery's idling both depend on how many workers make how many batches
     each, and contention's cost is not modelled. So the workers x prefetch batches in flight go to one each
-    over more workers (at least one more, at most twice as many), within the budget. The step is judged
-    like any step up: kept where it pays ``min_gain``, given back where it does not (see
-    :func:`_stopped_helping`), undone where it is slower, and not tried again under the same conditions.
+    over more workers (at most twice as many), within the budget. The step is judged like any step up: kept
+    where it pays ``min_gain``, given back where it does not (see :func:`_stopped_helping`), undone where it
+    is slower, and not tried again under the same conditions.
+
+    At prefetch 1 the batches are already one a worker: there is nothing to share out, and one more worker
+    on busy cores only adds contention (the benchmark's JPEG pipeline on 2 CPUs, 4 x 1 -> 5 x 1 measured
+    4-10 % slower and cost two rebuilds), so it holds.
     """
     current, fit, stats, settings = case.current, case.fit, case.stats, case.settings
     workers, prefetch = current.num_workers, current.prefetch_factor
-    if not case.cpu_bound or workers < 1 or workers >= reach or fit.worker_ceiling is not None:
+    if not case.cpu_bound or workers < 1 or prefetch < 2 or workers >= reach or fit.worker_ceiling is not None:
         return None
     if _change_being_judged(case):
         return None
-    wanted = min(reach, 2 * workers, max(workers + 1, workers * prefetch))
+    wanted = min(reach, 2 * workers, workers * prefetch)
     target, _ = clamp_to_budget(
         current.replace(num_workers=wanted, prefetch_factor=1), stats.batch_bytes, case.budget, settings
     )
