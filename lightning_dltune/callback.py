@@ -167,8 +167,8 @@ class DataLoaderTuner(Callback):
             From 0 workers a longer one already closes after 6 where the loop waited for its batches
             longer than it computed (and the steps settled).
         window_batches: fewest batches in a window. The default suits a ~100 ms accelerator step: 50
-            batches, 5 s, about 30 NVML samples. A window also looks for new conditions every fifth of
-            ``window_batches`` batches (at least 10, and a twelfth of the window's time) and closes there
+            batches, 5 s, about 30 NVML samples. A window also looks for new conditions every 12 % of
+            ``window_batches`` batches (at least 6, and a 24th of the window's time) and closes there
             when it finds them.
         window_seconds: shortest window, in seconds at the last window's pace (fast steps get more
             batches per window, so that a window averages over noise and NVML samples); ``0``: batches only.

@@ -78,29 +78,29 @@ def test_where_the_loaders_cannot_switch_or_ranks_may_not_meet_windows_close_at_
     assert (schedule.end, schedule.look) == (NO_BATCH, NO_BATCH)
 
 
-def test_a_long_window_looks_for_new_conditions_every_fifth_of_window_batches():
+def test_a_long_window_looks_for_new_conditions_every_12_percent_of_window_batches():
     schedule = WindowSchedule(window_batches=50, window_seconds=0.0)
     schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
-    assert (schedule.end, schedule.look) == (249, 209)
-    for look in (209, 219, 229):
+    assert (schedule.end, schedule.look) == (249, 205)
+    for look in (205, 211, 217, 223, 229, 235, 241):
         schedule.looked(look)
-        assert schedule.look == look + 10
-    schedule.looked(239)
-    assert schedule.look == NO_BATCH  # the next look would be the close itself
+        assert schedule.look == look + 6
+    schedule.looked(247)
+    assert schedule.look == NO_BATCH  # the next look would be past the close
     schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=False)
     assert schedule.look == NO_BATCH  # monitoring only: nothing to act on early
 
 
-def test_a_look_spans_a_twelfth_of_the_windows_time_at_least():
-    # a 20 ms step: the window's 3 s are 150 batches, a look every 13 (a quarter second), 11 looks at most
+def test_a_look_spans_a_24th_of_the_windows_time_at_least():
+    # a 20 ms step: the window's 3 s are 150 batches, a look every 7 (an eighth of a second), 21 looks at most
     schedule = WindowSchedule(window_batches=50, window_seconds=3.0)
     schedule.next_length = schedule.length_after(paced(0.020))
     schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
-    assert schedule.look_every == 13 and (schedule.end, schedule.look) == (349, 212)
-    # 1 ms steps: 10 batches are 10 ms of the machine's noise; a look spans a quarter second (250 batches)
+    assert schedule.look_every == 7 and (schedule.end, schedule.look) == (349, 206)
+    # 1 ms steps: 6 batches are 6 ms of the machine's noise; a look spans an eighth of a second (125 batches)
     schedule.next_length = schedule.length_after(paced(0.001))  # 3000 batches
     schedule.open(0, epoch_batches=20, mid_epoch=True, seen=True, looks=True)
-    assert schedule.look_every == 250 and schedule.look > 20  # no look in a 20-batch epoch
+    assert schedule.look_every == 125 and schedule.look > 20  # no look in a 20-batch epoch
 
 
 def test_a_window_that_confirms_a_suspected_change_is_as_short_as_the_decision_asks():
@@ -108,18 +108,21 @@ def test_a_window_that_confirms_a_suspected_change_is_as_short_as_the_decision_a
     assert schedule.length_after(paced(0.020), confirm_batches=20) == 20
     assert schedule.length_after(paced(0.020), confirm_batches=500) == 150  # never longer than a regular window
     assert schedule.length_after(paced(0.020), confirm_batches=None) == 150
+    schedule.next_length = schedule.length_after(paced(0.020), confirm_batches=12)
+    schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
+    assert (schedule.end, schedule.look) == (211, NO_BATCH)  # two looks long: nothing to look at in between
     schedule.next_length = schedule.length_after(paced(0.020), confirm_batches=20)
     schedule.open(200, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
-    assert (schedule.end, schedule.look) == (219, NO_BATCH)  # short: nothing to look at in between
+    assert (schedule.end, schedule.look) == (219, 205)  # longer: it looks like any window
 
 
-def test_looks_are_at_least_ten_batches_apart_and_reach_a_window_the_epoch_end_closes():
+def test_looks_are_at_least_six_batches_apart_and_reach_a_window_the_epoch_end_closes():
     schedule = WindowSchedule(window_batches=10, window_seconds=1.2)
     schedule.next_length = schedule.length_after(paced(0.020))  # 60 batches
     schedule.open(0, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
-    assert schedule.look == 9  # not every 2: a look tells what a confirming window would, on as many batches
-    # an epoch of 48 batches, a window planned longer: it closes at the epoch end and looks from batch 13
+    assert schedule.look == 5  # not every 2: a look needs the warm-up rule's fewest steps
+    # an epoch of 48 batches, a window planned longer: it closes at the epoch end and looks from batch 7
     schedule = WindowSchedule(window_batches=50, window_seconds=3.0)
     schedule.next_length = schedule.length_after(paced(0.020))
     schedule.open(0, epoch_batches=48, mid_epoch=True, seen=True, looks=True)
-    assert (schedule.end, schedule.look) == (NO_BATCH, 12)  # a twelfth of the 150 batches 3 s take
+    assert (schedule.end, schedule.look) == (NO_BATCH, 6)  # a 24th of the 150 batches 3 s take

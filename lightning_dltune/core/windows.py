@@ -3,8 +3,8 @@
 A window holds at least ``window_batches`` batches and ``window_seconds`` seconds at the last window's
 pace; the fit's first one is shorter (``first_batches``: judge the start config early). Windows close
 anywhere in an epoch and at every epoch end; an epoch's last window takes the tail when the tail would
-be shorter than half a window. A window longer than twice :attr:`WindowSchedule.look_every` (a fifth of
-``window_batches``, at least 10 batches and a twelfth of the window) also *looks* that often (the callback
+be shorter than half a window. A window longer than twice :attr:`WindowSchedule.look_every` (12 % of
+``window_batches``, at least 6 batches and a 24th of the window) also *looks* that often (the callback
 closes it early there when conditions changed); the fit's first window
 looks once, after :data:`EARLY_LOOK_BATCHES`, and closes there where the start config starves plainly
 (:func:`starved_start`). A window that only confirms a suspected change is as short as the decision
@@ -27,7 +27,6 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from lightning_dltune.core.history import CONFIRM_BATCHES
 from lightning_dltune.core.stats import WindowStats
 
 NO_BATCH = -1  # "at the epoch end" for a close, "never" for a look
@@ -36,9 +35,9 @@ WARMUP_FACTOR = 1.5  # a step this much slower than the window's settled pace is
 WARMUP_FLOOR_S = 0.005  # ... and at least this much slower (a few ms of noise on a sub-ms step is not warm-up)
 _FALLING = 0.67  # the last third of the settled steps this much faster than their first third: the pace still falls
 _MOST_SETTLING = 4  # a window whose pace still falls goes on to at most this many times its planned length
-LOOK_FRACTION = 0.2  # a long window looks for new conditions every this share of ``window_batches`` ...
-LOOK_FEWEST = CONFIRM_BATCHES  # ... and at least this many batches apart (a look tells what a confirmation would)
-LOOK_PARTS = 12  # ... and no more looks than this in a window's planned length (its time: a quarter of 3 s)
+LOOK_FRACTION = 0.12  # a long window looks for new conditions every this share of ``window_batches`` ...
+LOOK_FEWEST = 6  # ... and at least this many batches apart (the warm-up rule's fewest steps) ...
+LOOK_PARTS = 24  # ... and no more looks than this in a window's planned length (its time: an eighth of 3 s)
 EARLY_LOOK_BATCHES = 6  # the fit's first window looks after this many batches (the warm-up rule's fewest steps) ...
 EARLY_STARVATION = 0.5  # ... and closes there from 0 workers where the loop waited at least this share of its time
 _EARLY_FEWEST = 4  # ... on at least this many batches after the warm-up
@@ -163,17 +162,20 @@ class WindowSchedule:
 
     @property
     def look_every(self) -> int:
-        """Batches between a long window's looks: a fifth of ``window_batches``, at least :data:`LOOK_FEWEST`,
-        and at least a twelfth of the window's planned length (a quarter second at the default ``window_seconds``).
+        """Batches between a long window's looks: 12 % of ``window_batches``, at least :data:`LOOK_FEWEST`,
+        and at least a 24th of the window's planned length (an eighth of a second at the default ``window_seconds``).
 
         A slowdown inside a long window shows once the window's mean moved. Looking every half
         ``window_batches`` (25 at the default) saw storage 3x slower at an epoch start at batch 25, half of a
-        48-batch epoch at the old pace; looking every 10-13 sees it at batch 10-13 (the slowed phase 7.4-7.8 s
-        against 8.2-9.0 s in replays, from 0 workers and from 16 x 8). A look weighs its fewer batches' noise (see
-        ``detect_shift(part=True)``), so looking more often did not make the simulated heavy-tailed or noisy
-        pipelines churn; but 10 sub-millisecond steps are milliseconds of the machine's noise: a look spans a
-        share of the window's time too (the planned length is ``window_seconds`` at the last window's pace),
-        which also bounds the looks (each a collective across ranks) to at most 12 a window.
+        48-batch epoch at the old pace; looking every 10-13 saw it at batch 10-13 (the slowed phase 7.4-7.8 s
+        against 8.2-9.0 s in replays), and every 6 sees it at batch 6 (6.7-7.0 s against 6.9-7.1 s at every 12,
+        from 16 x 8; in the full benchmark on one host, slow-at-epoch 1.03 / 1.07 of its phase oracle's time
+        against 1.06 / 1.11). A look weighs its fewer batches' noise (see ``detect_shift(part=True)``), so looking
+        more often did not make the simulated heavy-tailed or noisy pipelines churn, nor any look of the
+        benchmark's five steady workloads see a change; but 6 sub-millisecond steps are milliseconds of the
+        machine's noise: a look spans a share of the window's time too (the planned length is
+        ``window_seconds`` at the last window's pace), which also bounds the looks (each a collective across
+        ranks) to at most 24 a window, 8 a second at the default ``window_seconds``.
         """
         return max(
             LOOK_FEWEST, math.ceil(LOOK_FRACTION * self.window_batches), math.ceil(self.next_length / LOOK_PARTS)
