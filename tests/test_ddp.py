@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -31,6 +32,24 @@ def ddp_run(tmp_path_factory):
     proc = _run_ddp_script("ddp_fit.py", out)
     ranks = [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
     return out, ranks, proc.stdout + proc.stderr
+
+
+def test_every_ranks_rows_arrive_exactly_through_one_all_reduce(tmp_path):
+    # the looks' and windows' gather: each rank's slot summed with the other's zeros, through Lightning's DDPStrategy
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    _run_ddp_script("ddp_gather_rows.py", tmp_path, port)
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    nan, inf = "nan", "inf"
+    expected = [
+        [[0.1, 1e-300, -(2.0**60)], [inf, 1 / 3, 5e-324]],
+        [[1.1, nan, -(2.0**60) - 1], [inf, 1 / 3 + 1, 5e-324]],
+    ]
+    assert ranks[0]["rows"] == ranks[1]["rows"] == expected  # in rank order, every bit as each rank sent it
+    # the job's window: the most starved rank's row, every rank's samples
+    assert ranks[0]["fetch_wait_total_s"] == ranks[1]["fetch_wait_total_s"] == 1.0
+    assert ranks[0]["samples"] == ranks[1]["samples"] == 640
 
 
 def test_logged_starvation_is_the_slow_ranks(ddp_run):

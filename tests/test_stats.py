@@ -88,13 +88,16 @@ def test_ranks_reduce_to_the_most_starved_rank_with_every_rank_samples():
 
 def test_rows_pack_and_unpack_through_a_gathered_tensor():
     ranks = [window(1, 10, queue_depth=3.5, batch_bytes=1024), window(5, 10, gpu_util=0.7, util_source="nvml")]
-    gathered = torch.stack([pack(s) for s in ranks])  # what strategy.all_gather returns: world_size x fields
+    gathered = torch.stack([pack(s) for s in ranks])  # what gather_rows returns: world_size x fields
     assert gathered.dtype == torch.float64
     assert unpack(WindowStats, gathered) == ranks
 
-    class FakeStrategy:
-        def all_gather(self, tensor):
-            return torch.stack([tensor, pack(ranks[1])])
+    class FakeStrategy:  # rank 0 of 2: the sum all-reduce adds rank 1's slot, its zeros elsewhere
+        global_rank = 0
+
+        def reduce(self, block, reduce_op):
+            assert reduce_op == "sum" and block[1].eq(0).all()
+            return block + torch.stack([torch.zeros_like(block[0]), pack(ranks[1])])
 
     assert reduce_across_ranks(FakeStrategy(), ranks[0], world_size=2) == reduce_ranks(ranks)
     assert reduce_across_ranks(FakeStrategy(), ranks[0], world_size=1) is ranks[0]

@@ -76,10 +76,12 @@ def test_in_a_combined_mode_each_step_counts_for_every_loader_with_a_batch_in_it
 class _TwoRanks:
     """A strategy whose other rank measured the same loaders, the slow one more starved (twice the wait)."""
 
-    def all_gather(self, rows):
-        other = rows.clone()
+    global_rank = 0
+
+    def reduce(self, block, reduce_op):  # the sum all-reduce adds the other rank's slot
+        other = block[0].clone()
         other[0, 2] *= 2  # fetch_wait_total_s of loader 0, in the declared field order
-        return torch.stack([rows, other])
+        return block + torch.stack([torch.zeros_like(other), other])
 
 
 def test_across_ranks_each_loader_is_its_most_starved_ranks_and_the_samples_are_the_jobs():

@@ -24,6 +24,7 @@ import torch
 from lightning_dltune.core.stats import WindowStats, from_dict, from_row, reduce_ranks, to_dict, to_row
 from lightning_dltune.loaders.collection import flatten_loaders
 from lightning_dltune.loaders.loader import TunedLoader
+from lightning_dltune.measure.distributed import gather_rows
 from lightning_dltune.measure.lightning_internals import fetches_per_step
 from lightning_dltune.measure.meter import UNKNOWN_READY, WindowMeter
 from lightning_dltune.measure.probe import batch_size_and_bytes
@@ -175,7 +176,7 @@ class ValLoaderMeter:
         if world_size <= 1 or not local:
             return local
         rows = torch.tensor([to_row(s) for s in local], dtype=torch.float64, device=device)
-        gathered = strategy.all_gather(rows).detach().reshape(world_size, len(local), -1).cpu().tolist()
+        gathered = gather_rows(strategy, rows, world_size).detach().cpu().tolist()
         return [reduce_ranks([from_row(WindowStats, rank[i]) for rank in gathered]) for i in range(len(local))]
 
     def close(self) -> None:
