@@ -1185,6 +1185,23 @@ def test_a_suspected_shift_asks_for_a_short_window_to_confirm_it():
     assert decide(cfg(4), steady, ROOMY, history).confirm_batches is None
 
 
+def test_a_shift_a_look_suspects_on_a_few_batches_is_confirmed_on_ten_at_least():
+    # the demo beside a CPU hog: its step 100 ms a batch for two windows, then 54 ms over a look's 6 batches
+    steady = window(15, 100, worker_ms=86, cpu_fraction=0.3)
+
+    def fed(workers: int) -> list:
+        return [record(i, cfg(workers), replace(steady, step_total_s=(0.100 + 0.002 * (i % 2)) * 100), cfg(workers))
+                for i in range(3)]
+
+    history = fed(1)
+    faster = window(15, 54, batches=6, worker_ms=86, cpu_fraction=0.3)
+    decision = decide(cfg(1), faster, ROOMY, history)
+    assert decision.reason.kind == ReasonKind.SHIFT_SUSPECTED
+    assert decision.confirm_batches == 10  # not its own 6: their noise is no confirmation
+    # one batch a worker, where the workers are more
+    assert decide(cfg(16), faster, ROOMY, fed(16)).confirm_batches == 16
+
+
 def test_a_shift_inside_its_suspect_window_asks_for_a_short_confirming_window():
     # storage 3x slower a third of the way from a window's end: 47 ms batches, then 130 ms ones. The window's
     # mean (75 ms) moved a third of the way and its p95 is the new batches' typical one: read as the

@@ -504,7 +504,10 @@ def _typical_agrees(name: str, prior: Sequence[WindowStats], new: WindowStats, w
 
 
 def confirm_batches(prior: Sequence[WindowStats], new: WindowStats, shift: Shift, workers: int) -> int:
-    """Batches a window needs to confirm ``shift`` (``new`` against ``prior``), at most ``new``'s own.
+    """Batches a window needs to confirm ``shift`` (``new`` against ``prior``): at most ``new``'s own, but at
+    least :data:`CONFIRM_BATCHES` and one per worker (a look suspects a change on as few as 6 batches, and
+    their noise confirmed by as few again read a CPU hog's passing swing in step time as two windows of
+    new conditions).
 
     Enough for its mean of the signal to lie ``SHIFT_SIGMAS`` standard errors inside half the move, the
     spread per batch taken as the larger of what the earlier windows' spread implies (window means over
@@ -514,18 +517,19 @@ def confirm_batches(prior: Sequence[WindowStats], new: WindowStats, shift: Shift
     whose p95 is the new one's typical batch (130 ms batches after 47 ms ones read as a 36 ms spread, and
     asked for a whole window where 10 batches tell a 3x slowdown).
     """
+    fewest = max(CONFIRM_BATCHES, workers)
     move = _moved(shift)
     signal = dict((name, f) for name, f, _ in _signals(workers))[shift.signal]
     known = [(v, w) for v, w in ((signal(w), w) for w in prior) if v is not None and w.batches > 0]
     if move <= 0 or len(known) < 2:
-        return new.batches
+        return max(new.batches, fewest)
     values = [v for v, _ in known]
     per_batch = _stdev(values) * math.sqrt(sum(w.batches for _, w in known) / len(known))
     per_batch = max(per_batch, max(_spread_per_batch(w, shift.signal, workers) for _, w in known))
     if shift.signal != "starvation" and shift.before > 0:
         per_batch *= max(1.0, shift.now / shift.before)
     needed = math.ceil((2.0 * SHIFT_SIGMAS * per_batch / move) ** 2)
-    return min(new.batches, max(needed, CONFIRM_BATCHES, workers))
+    return max(fewest, min(new.batches, needed))
 
 
 def _spread_per_batch(window: WindowStats, signal: str, workers: int) -> float:
