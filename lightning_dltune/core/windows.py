@@ -169,13 +169,14 @@ class WindowSchedule:
         ``window_batches`` (25 at the default) saw storage 3x slower at an epoch start at batch 25, half of a
         48-batch epoch at the old pace; looking every 10-13 saw it at batch 10-13 (the slowed phase 7.4-7.8 s
         against 8.2-9.0 s in replays), and every 6 sees it at batch 6 (6.7-7.0 s against 6.9-7.1 s at every 12,
-        from 16 x 8; in the full benchmark on one host, slow-at-epoch 1.03 / 1.07 of its phase oracle's time
-        against 1.06 / 1.11). A look weighs its fewer batches' noise (see ``detect_shift(part=True)``), so looking
-        more often did not make the simulated heavy-tailed or noisy pipelines churn, nor any look of the
-        benchmark's five steady workloads see a change; but 6 sub-millisecond steps are milliseconds of the
-        machine's noise: a look spans a share of the window's time too (the planned length is
-        ``window_seconds`` at the last window's pace), which also bounds the looks (each a collective across
-        ranks) to at most 24 a window, 8 a second at the default ``window_seconds``.
+        from 16 x 8; in two full benchmark runs on one host, slow-at-epoch 1.03 / 1.07 and 1.06 / 1.08 of its
+        phase oracle's time against 1.06 / 1.11, within the runs' own spread). A look weighs its fewer
+        batches' noise (see ``detect_shift(part=True)``), so looking more often did not make the simulated
+        heavy-tailed or noisy pipelines churn, nor any look of the benchmark's five steady workloads see a
+        change; but 6 sub-millisecond steps are milliseconds of the machine's noise: a look spans a share of
+        the window's time too (the planned length is ``window_seconds`` at the last window's pace), which
+        also bounds the looks (each a collective across ranks) to at most 24 a window, 8 a second at the
+        default ``window_seconds``.
         """
         return max(
             LOOK_FEWEST, math.ceil(LOOK_FRACTION * self.window_batches), math.ceil(self.next_length / LOOK_PARTS)
