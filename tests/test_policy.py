@@ -1186,7 +1186,7 @@ def test_a_suspected_shift_asks_for_a_short_window_to_confirm_it():
 
 
 def test_a_shift_a_look_suspects_on_a_few_batches_is_confirmed_on_ten_at_least():
-    # the demo beside a CPU hog: its step 100 ms a batch for two windows, then 54 ms over a look's 6 batches
+    # the demo beside a CPU hog: its step 100 ms a batch for three windows, then 54 ms over a look's 6 batches
     steady = window(15, 100, worker_ms=86, cpu_fraction=0.3)
 
     def fed(workers: int) -> list:
