@@ -24,9 +24,9 @@ from lightning_dltune.measure.distributed import gather_rows, reduce_across_rank
 
 
 def rank_rows(rank: int) -> torch.Tensor:
-    """Rank ``rank``'s 2 x 3 rows: values no sum with zeros may round, an unknown, an infinity, a subnormal."""
+    """Rank ``rank``'s rows: values any sum but with zeros would round, an unknown, an infinity, a subnormal."""
     return torch.tensor(
-        [[0.1 + rank, math.nan if rank else 1e-300, -(2.0**60) - rank], [math.inf, 1 / 3 + rank, 5e-324]],
+        [[0.1 + rank, math.nan if rank else 1e-300, -(2.0**60) * (1 + rank)], [math.inf, 1 / 3 + rank, 5e-324]],
         dtype=torch.float64,
     )
 
