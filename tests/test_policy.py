@@ -1371,3 +1371,41 @@ def test_zero_workers_are_not_measured_for_a_wait_that_is_not_the_hand_over():
     handed = replace(window(8, 20, stall_fraction=0.0, worker_ms=5.5, cpu_fraction=0.1), main_cpu_fraction=0.3)
     history = [record(0, cfg(0), starved, cfg(4)), record(1, cfg(4), handed, cfg(4))]
     assert decide(cfg(4), handed, two_cpus, history).config.num_workers > 0
+
+
+def test_a_step_up_whose_windows_disagree_is_judged_again_on_the_windows_after_them():
+    # 4 -> 8 workers: its first window as fast as 4 ran, its second 32 % slower (a CPU hog arrived in it); pooled
+    # they lose 16 %, which alone would undo the step. Windows that disagree say the conditions moved between them
+    before = window(5, 10, worker_ms=40, cpu_fraction=0.9)
+    alike = window(5, 10, worker_ms=80, cpu_fraction=0.9)
+    hog = window(12, 10, worker_ms=190, cpu_fraction=0.4)
+    faster = window(1, 10, worker_ms=60, cpu_fraction=0.9)
+    history = [record(0, cfg(4), before, cfg(8)), record(1, cfg(8), alike, cfg(8))]
+    split = decide(cfg(8), hog, ROOMY, history)
+    assert split.config == cfg(8) and split.reason.kind == ReasonKind.CONFIRM_SLOWER
+    assert split.reason["gain"] < -3 * DEFAULTS.min_gain
+    assert split.reason["split"] == [pytest.approx(0.0), pytest.approx(15 / 22 - 1)]
+    assert "its windows disagree (+0%, -32%)" in reason_text(split.reason)
+    history.append(record(2, cfg(8), hog, cfg(8)))
+
+    # the hog left: the step is judged on the windows after the split, and kept
+    kept = [decide(cfg(8), faster, ROOMY, history)]
+    kept.append(decide(cfg(8), faster, ROOMY, history + [record(3, cfg(8), faster, cfg(8))]))
+    assert [d.config for d in kept] == [cfg(8), cfg(8)]
+    assert all(d.reason.kind not in (ReasonKind.UNDO_SLOWER, ReasonKind.CONFIRM_SLOWER) for d in kept)
+
+    # the hog stayed: two more slower windows undo it, judged on those two alone
+    again = decide(cfg(8), hog, ROOMY, history)
+    assert again.config == cfg(8) and again.reason.kind == ReasonKind.CONFIRM_SLOWER
+    assert "split" not in again.reason.values
+    undone = decide(cfg(8), hog, ROOMY, history + [record(3, cfg(8), hog, cfg(8))])
+    assert undone.config == cfg(4) and undone.reason.kind == ReasonKind.UNDO_SLOWER
+    assert undone.reason["rate"] == pytest.approx(32 / 0.022)
+
+
+def test_a_step_up_slower_in_each_window_is_undone_on_its_two_windows():
+    before = window(5, 10, worker_ms=40, cpu_fraction=0.9)
+    slower = [window(7.5, 10, worker_ms=80, cpu_fraction=0.9), window(8.5, 10, worker_ms=80, cpu_fraction=0.9)]
+    history = [record(0, cfg(4), before, cfg(8)), record(1, cfg(8), slower[0], cfg(8))]
+    decision = decide(cfg(8), slower[1], ROOMY, history)  # -14 % and -19 %: they agree
+    assert decision.config == cfg(4) and decision.reason.kind == ReasonKind.UNDO_SLOWER

@@ -44,6 +44,9 @@ REPLAYED_WINDOWS = 256  # a decision replays the fit's latest this-many windows:
 # counts the changes in them
 CONTENTION_STEP = 0.25  # a step this much slower than before a change: the machine got busier (or our workers
 # take the training process's CPU); the change is measured again before it is judged
+SPLIT_SLOWER = 2.0  # a change's judged windows disagree where one is not slower (by half of `min_gain`) and another
+# is slower by more than this many times `min_gain`: the conditions moved between them, and the change is judged
+# afresh on the windows after them
 
 
 class ChangeKind(str, Enum):
@@ -69,6 +72,8 @@ class LastChange:
             step that drifts moves ``gain``, not this).
         rates: the samples per second ``gain`` compares (:func:`judged_rates`), before and since the change.
         tail_s: the heavy tail's stall a batch charged to both sides alike (0: none seen).
+        split: each judged window's own ``gain`` where they disagree (see :data:`SPLIT_SLOWER`): the change is
+            measured again, on windows after them (empty: they agree, or it is not judged yet).
     """
 
     before: LoaderConfig
@@ -81,11 +86,12 @@ class LastChange:
     util_gain: float = 0.0
     rates: tuple[float, float] = (0.0, 0.0)
     tail_s: float = 0.0
+    split: tuple[float, ...] = ()
 
     @property
     def confirmed(self) -> bool:
-        """Measured on enough windows to be judged."""
-        return self.windows >= CONFIRM_WINDOWS
+        """Measured on enough windows, which agree, to be judged."""
+        return self.windows >= CONFIRM_WINDOWS and not self.split
 
     @property
     def contention(self) -> bool:
@@ -149,6 +155,8 @@ class _Streak:
     before_stats: Optional[WindowStats] = None
     kind: ChangeKind = ChangeKind.OTHER
     undo: bool = False  # the streak undoes the streak before it: never judged, or undos would ping-pong
+    judged_from: int = -1  # the first window the change is judged on and the config's windows pool from (-1:
+    # ``start``); later where its judged windows split
 
 
 _Window = tuple[LoaderConfig, WindowStats, Optional[LoaderConfig]]  # a window's config, stats, and the config after it
@@ -191,7 +199,7 @@ class _Replay:
         """Window ``i``: its streak, its pooled windows, and the verdict on the change that started the streak."""
         config = self.windows[i][0]
         streak = self._streak_of(i)
-        start = max(streak.start, i + 1 - POOLED_WINDOWS)
+        start = max(streak.start, streak.judged_from, i + 1 - POOLED_WINDOWS)
         self.pooled.append(pool_windows([w for _, w, _ in self.windows[start : i + 1]]))
         self.pooled_count.append(i + 1 - start)
         self._note_starved(self.pooled[i], config)
@@ -287,10 +295,15 @@ class _Replay:
         config, _, next_config = self.windows[i]
         last = len(self.windows) - 1
         ended = i < last and self.windows[i + 1][0] != config
-        length = i - streak.start + 1
-        rate_before, rate_after, tail_s = judged_rates(before_stats, self.pooled[i])
+        first = streak.start if streak.judged_from < 0 else streak.judged_from
+        if i < first:
+            return
+        length = i - first + 1
+        judged = self.pooled[i]
+        rate_before, rate_after, tail_s = judged_rates(before_stats, judged)
         gain = _gain(rate_before, rate_after)
         slower = gain < -settings.min_gain
+        split = self._split(streak, first, i, before_stats) if slower and length == CONFIRM_WINDOWS else ()
         # more workers that did not pay although the model said they clearly would: no more of them
         # (a small expected gain that does not show proves nothing: windows differ by a few percent)
         stopped_helping = (
@@ -299,10 +312,10 @@ class _Replay:
             and gain < settings.min_gain
             and _expected_gain(before, config, before_stats, self.budget, settings) >= 2 * settings.min_gain
         )
-        step_ratio = _ratio(self.pooled[i].step_mean_s, before_stats.step_mean_s)
+        step_ratio = _ratio(judged.step_mean_s, before_stats.step_mean_s)
         busy = step_ratio > 1.0 + CONTENTION_STEP
         if i == last and length <= CONFIRM_WINDOWS:
-            util_gain = _ratio(self.pooled[i].utilization, before_stats.utilization) - 1.0
+            util_gain = _ratio(judged.utilization, before_stats.utilization) - 1.0
             self.last_change = LastChange(
                 before,
                 before_stats,
@@ -314,7 +327,11 @@ class _Replay:
                 util_gain,
                 (rate_before, rate_after),
                 tail_s,
+                split,
             )
+        if split:  # judged afresh on the windows after these: no verdict, strike or ceiling from them
+            streak.judged_from = i + 1
+            return
         if i == streak.start and streak.kind is ChangeKind.GIVE_BACK and config.num_workers == 0 < before.num_workers:
             self._handed_over(i, streak, before_stats, busy)
         if ended and next_config == before:  # A -> B -> A: B was undone
@@ -324,11 +341,29 @@ class _Replay:
             went_back = ended and next_config == before
             self._cap(i, streak.kind, before, config, gain, stopped_helping, busy, went_back)
             # (by throughput or by utilization, which the step's own drift leaves alone: half of `min_gain` is help)
-            util_gain = _ratio(self.pooled[i].utilization, before_stats.utilization) - 1.0
+            util_gain = _ratio(judged.utilization, before_stats.utilization) - 1.0
             helped = max(gain, util_gain) >= settings.min_gain / 2
             paid = streak.kind in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH) and helped
             if paid and resources(before) not in self.outgrown:
                 self.outgrown.append(resources(before))
+
+    def _split(self, streak: _Streak, first: int, i: int, before_stats: WindowStats) -> tuple[float, ...]:
+        """Each of windows ``first`` to ``i``'s own gain over ``before_stats``, where a step up's windows disagree
+        on it (empty where they agree, and once a streak was judged afresh: its second verdict stands).
+
+        One window not slower (by half of ``min_gain``) and another slower by more than
+        :data:`SPLIT_SLOWER` times ``min_gain``: the conditions moved between them (a CPU hog arrived while
+        4 x 1 was measured against 2 x 2: +0 % in its first window, -30 % in its second; pooled, -15 % undid
+        it, and the config it went back to ran 35 % starved for the rest of the fit, which 4 x 1 would have
+        fed). A step up that is itself slower is slower in each of its windows.
+        """
+        if streak.judged_from >= 0 or streak.kind not in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH):
+            return ()
+        min_gain = self.settings.min_gain
+        gains = tuple(throughput_gain(before_stats, w) for _, w, _ in self.windows[first : i + 1])
+        if max(gains) > -min_gain / 2 and min(gains) < -SPLIT_SLOWER * min_gain:
+            return gains
+        return ()
 
     def _cap(
         self,
@@ -391,7 +426,7 @@ class _Replay:
             suspect = detect_shift(prior, windows[now][1], windows[now][0].num_workers)
             if suspect is not None:
                 confirm = confirm_batches(prior, windows[now][1], suspect, windows[now][0].num_workers)
-        count = min(now - streak.start + 1, POOLED_WINDOWS)
+        count = min(now - max(streak.start, streak.judged_from) + 1, POOLED_WINDOWS)  # the windows ``seen`` pools
         changes = [r.changed for r in history]
         return FitHistory(
             seen=self.pooled[-1],

@@ -482,8 +482,9 @@ def _judge_last_change(case: _Case) -> Optional[_Rule]:
             "from": pair(last.before),
             "to": pair(current),
             **contention,
+            **({"split": list(last.split)} if last.split else {}),
         }
-        if not last.confirmed:  # one window is noise until a second agrees
+        if not last.confirmed:  # one window is noise until a second agrees (and two that disagree, until two more)
             return current, case.held, Reason(ReasonKind.CONFIRM_SLOWER, numbers)
         return last.before, case.held, Reason(ReasonKind.UNDO_SLOWER, {**numbers, "windows": last.windows})
     # a cut taken below the band's low edge (on a starved window, at measured saturation, or one the band's edge

@@ -196,6 +196,13 @@ def _contention(v: dict[str, Any]) -> str:
     return f"; the step itself got {v['step_ratio'] - 1:.0%} slower (a busy machine?)" if "step_ratio" in v else ""
 
 
+def _split(v: dict[str, Any]) -> str:
+    if "split" not in v:
+        return ": measuring again before going back"
+    gains = ", ".join(f"{g:+.0%}" for g in v["split"])
+    return f", but its windows disagree ({gains}): the conditions moved, measuring it again on the windows after them"
+
+
 def _tail(v: dict[str, Any]) -> str:
     return f", a heavy tail's {v['tail_ms']:.0f} ms of stalls a batch counted on both" if "tail_ms" in v else ""
 
@@ -379,7 +386,7 @@ _WORDS = {
     ),
     ReasonKind.CONFIRM_SLOWER: lambda v: (
         f"throughput fell {-v['gain']:.0%} ({v['rate_before']:.0f} -> {v['rate']:.0f} samples/s{_tail(v)}) after "
-        f"{_change(v['from'], v['to'])}{_contention(v)}: measuring again before going back"
+        f"{_change(v['from'], v['to'])}{_contention(v)}{_split(v)}"
     ),
     ReasonKind.CONFIRM_STARVED: lambda v: (
         f"giving back to {_short(v['config'])} dropped {_gpu(v)}, starved {v['starvation']:.0%}{_lost(v)}: "
