@@ -119,6 +119,9 @@ class DataLoaderTuner(Callback):
     - ``queue_depth``: mean ready batches at request time (tuned loaders only).
     - ``samples_per_s``, ``startup_ms`` (loader start-up and pipeline fill, never counted as fetch
       wait), ``worker_batch_ms`` (a worker's time to make one batch, tuned loaders only).
+    - ``other_cpus``: the CPUs' worth of time other processes (not the training process nor its
+      workers) took on the cores the training process may run on over the window: a neighbour. A
+      neighbour that arrives or leaves on busy cores is new conditions, as a slower storage is.
     - ``num_workers``, ``prefetch_factor``, ``rebuilds``; and, in TensorBoard, the verdict and reason
       as text (``dltune/decision``).
     - With ``log_every_n_steps``: ``dltune/recent/starvation_ratio``, ``dltune/recent/samples_per_s``,
@@ -618,7 +621,7 @@ class DataLoaderTuner(Callback):
             return
         if self._probe.fetcher_missing:
             self._say_once(trainer, "no-fetcher", "DataLoaderTuner: cannot time fetches with this Lightning version.")
-        stats = self._job_stats(trainer, pl_module)
+        stats = self._job_stats(trainer, pl_module, closing=True)
         val = self._run.val_history[-1] if self._run.val_history else None
         budget = less_the_other_side(  # the validation loaders' own idle persistent workers hold memory
             self._budget(trainer, pl_module),
@@ -656,9 +659,11 @@ class DataLoaderTuner(Callback):
     def _open_window(self, trainer: pl.Trainer, first_batch: int) -> None:
         self._run.open_window(first_batch, trainer.num_training_batches, trainer.world_size, self._probe.switchable)
 
-    def _job_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> WindowStats:
-        """The window so far, across ranks (a collective: every rank calls it at the same batch)."""
-        return reduce_across_ranks(trainer.strategy, self._probe.local_stats(), trainer.world_size, pl_module.device)
+    def _job_stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule, closing: bool = False) -> WindowStats:
+        """The window so far, across ranks (a collective: every rank calls it at the same batch); ``closing``: the
+        whole window."""
+        local = self._probe.local_stats(closing=closing)
+        return reduce_across_ranks(trainer.strategy, local, trainer.world_size, pl_module.device)
 
     def _count_val_run_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """How many batches a validation run takes at most (a collective): no more validation workers get work."""

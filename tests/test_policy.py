@@ -1409,3 +1409,24 @@ def test_a_step_up_slower_in_each_window_is_undone_on_its_two_windows():
     history = [record(0, cfg(4), before, cfg(8)), record(1, cfg(8), slower[0], cfg(8))]
     decision = decide(cfg(8), slower[1], ROOMY, history)  # -14 % and -19 %: they agree
     assert decision.config == cfg(4) and decision.reason.kind == ReasonKind.UNDO_SLOWER
+
+
+def test_a_neighbour_leaving_busy_cores_is_new_conditions_though_the_workers_batches_barely_move():
+    # 7 workers on 2 busy cores beside a CPU hog (0.8 of a core), then without it: each worker gets 2/9 of a core,
+    # then 2/8, and its batches move 8 %, well inside their noise; the cores say the neighbour left
+    hogged = replace(window(1.8, 10, worker_ms=180, cpu_fraction=0.25), other_cpus=0.8, cpu_busy=1.0)
+    alone = replace(window(1.7, 10, worker_ms=165, cpu_fraction=0.27), other_cpus=0.0, cpu_busy=0.97)
+    history = [record(i, cfg(7), hogged, cfg(7)) for i in range(3)] + [record(3, cfg(7), alone, cfg(7))]
+    fit = recall(history, cfg(7), alone, ROOMY, DEFAULTS)
+    assert fit.shift is not None and (fit.shift.signal, fit.shift.before, fit.shift.now) == (
+        "other processes' CPUs",
+        pytest.approx(0.8),
+        0.0,
+    )
+    decision = decide(cfg(7), alone, ROOMY, history)
+    assert "conditions changed (other processes' CPUs 0.8 -> 0.0)" in reason_text(decision.reason)
+    assert detect_shift([hogged] * 3, replace(alone, other_cpus=None), 7) is None  # a look: not read
+
+    # on cores with room to spare the same neighbour takes nothing the workers need
+    roomy = [replace(w, cpu_busy=0.5) for w in (hogged, alone)]
+    assert detect_shift([roomy[0]] * 3, roomy[1], 7) is None

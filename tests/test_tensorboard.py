@@ -9,6 +9,7 @@ their defaults (``scripts/panels_screenshot.py``) and the page itself is checked
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -237,6 +238,13 @@ def test_panel_scalars_are_the_drawn_window_scalars_and_the_axis_constants():
     assert drawn[ZERO] == 0.0 and drawn[ONE] == 1.0
     assert drawn[PANEL_PREFIX + "num_workers"] == scalars["dltune/num_workers"] == 2.0
     assert PANEL_PREFIX + "rebuilds" not in drawn and PANEL_PREFIX + "queue_depth" not in drawn  # none logged
+
+
+def test_a_window_that_read_the_cores_logs_what_other_processes_took():
+    record = window(30, 2, 0.9)
+    assert "dltune/other_cpus" not in window_scalars(record, BAND, rebuilds=0)  # a window too short to say
+    record = dataclasses.replace(record, stats=dataclasses.replace(record.stats, other_cpus=0.8, cpu_busy=1.0))
+    assert window_scalars(record, BAND, rebuilds=0)["dltune/other_cpus"] == 0.8
 
 
 def test_each_window_is_drawn_flat_from_its_first_to_its_last_step(tmp_path):

@@ -32,6 +32,8 @@ SHIFT_STEP = 0.10  # ... or a step time by more than this share (an accelerator'
 # means a busier host, whose pooled windows would otherwise read as slack) ...
 SHIFT_STARVATION = 0.15  # ... or starvation that moved by more than this (absolute) ...
 SHIFT_SIGMAS = 3.0  # ... and by more than this many standard deviations of the pooled windows: new conditions
+SHIFT_OTHERS = 0.5  # ... or the CPUs other processes took that moved by more than this many (absolute), on cores
+OTHERS_FELT = 0.85  # ... busy past this share of their time before or after (else the neighbour takes no CPU we need)
 SHIFT_FELT = 0.05  # a cost's move, shared among the workers, is at least this share of a step: one the loop cannot
 # feel (7 workers' 1.1 ms batches down to 0.4 ms beside a 20 ms step) is no new condition for the loaders
 MIXED_COST = 2**0.25  # a window's p95 cost read as its newest batches' must clear its mean by a p95 bin's width
@@ -44,8 +46,8 @@ REPLAYED_WINDOWS = 256  # a decision replays the fit's latest this-many windows:
 # counts the changes in them
 CONTENTION_STEP = 0.25  # a step this much slower than before a change: the machine got busier (or our workers
 # take the training process's CPU); the change is measured again before it is judged
-SPLIT_SLOWER = 2.0  # a change's judged windows disagree where one is not slower (by half of `min_gain`) and another
-# is slower by more than this many times `min_gain`: the conditions moved between them, and the change is judged
+SPLIT_SLOWER = 2.0  # a change's judged windows disagree where one is not slower (by `min_gain`) and another is
+# slower by more than this many times `min_gain`: the conditions moved between them, and the change is judged
 # afresh on the windows after them
 
 
@@ -103,7 +105,7 @@ class LastChange:
 class Shift:
     """New conditions: the newest window's ``signal`` moved from ``before`` (its pooled windows) to ``now``."""
 
-    signal: str  # "worker time per batch", "batch time", "step time", "starvation"
+    signal: str  # "batch time", "step time", "starvation", "other processes' CPUs"
     before: float
     now: float
     newest: Optional[float] = None  # a rise inside the window that shows it: the new conditions' cost per batch
@@ -351,17 +353,17 @@ class _Replay:
         """Each of windows ``first`` to ``i``'s own gain over ``before_stats``, where a step up's windows disagree
         on it (empty where they agree, and once a streak was judged afresh: its second verdict stands).
 
-        One window not slower (by half of ``min_gain``) and another slower by more than
-        :data:`SPLIT_SLOWER` times ``min_gain``: the conditions moved between them (a CPU hog arrived while
-        4 x 1 was measured against 2 x 2: +0 % in its first window, -30 % in its second; pooled, -15 % undid
-        it, and the config it went back to ran 35 % starved for the rest of the fit, which 4 x 1 would have
-        fed). A step up that is itself slower is slower in each of its windows.
+        One window not slower (by ``min_gain``) and another slower by more than :data:`SPLIT_SLOWER` times
+        ``min_gain``: the conditions moved between them (a CPU hog arrived while 4 x 1 was measured against
+        2 x 2: +0 % in its first window, -30 % in its second; pooled, -15 % undid it, and the config it went
+        back to ran 35 % starved for the rest of the fit, which 4 x 1 would have fed; in a replay, -3 % and
+        -23 %). A step up that is itself slower is slower in each of its windows.
         """
         if streak.judged_from >= 0 or streak.kind not in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH):
             return ()
         min_gain = self.settings.min_gain
         gains = tuple(throughput_gain(before_stats, w) for _, w, _ in self.windows[first : i + 1])
-        if max(gains) > -min_gain / 2 and min(gains) < -SPLIT_SLOWER * min_gain:
+        if max(gains) >= -min_gain and min(gains) < -SPLIT_SLOWER * min_gain:
             return gains
         return ()
 
@@ -464,13 +466,16 @@ def detect_shift(prior: Sequence[WindowStats], new: WindowStats, workers: int, p
 
     Compared: the data side's cost per batch (a worker's time per batch where the loader says it; the
     fetch wait with 0 workers, where the training process makes the batch inside the fetch), the step
-    time, and, where the cost is unknown, starvation. A signal moved when it left its pooled mean by more than
-    ``SHIFT_COST`` of it
-    (``SHIFT_STEP`` for the step, ``SHIFT_STARVATION`` points for starvation) and by more than
-    ``SHIFT_SIGMAS`` standard deviations of the prior windows, and lies outside all of them. A cost also
-    needs a typical batch to move its way (:func:`_typical_agrees`): a heavy tail moves the mean alone;
-    and the loop must feel it: the move shared among the workers (each delivers one batch in ``workers``)
-    at least ``SHIFT_FELT`` of a step. ``None``: same conditions.
+    time, and, where the cost is unknown, starvation; then the CPUs other processes took on the cores
+    (:attr:`~lightning_dltune.core.stats.WindowStats.other_cpus`: a neighbour that arrived or left, which
+    many workers' batches barely show: 7 workers on 2 cores get 2/9 of a core each beside a CPU hog, 2/8
+    without it). A signal moved when it left its pooled mean by more than ``SHIFT_COST`` of it
+    (``SHIFT_STEP`` for the step, ``SHIFT_STARVATION`` points for starvation, ``SHIFT_OTHERS`` CPUs for the
+    neighbour) and by more than ``SHIFT_SIGMAS`` standard deviations of the prior windows, and lies outside
+    all of them. A cost also needs a typical batch to move its way (:func:`_typical_agrees`): a heavy tail
+    moves the mean alone; and the loop must feel it: the move shared among the workers (each delivers one
+    batch in ``workers``) at least ``SHIFT_FELT`` of a step, and a neighbour's the cores busy past
+    ``OTHERS_FELT`` of their time, with it or without it. ``None``: same conditions.
 
     ``part``: ``new`` is a window so far (a look part-way through it), whose mean is noisier than those of
     the whole windows it is compared with: their standard deviation is scaled by the square root of their
@@ -495,11 +500,15 @@ def _detect_shift(prior: tuple[WindowStats, ...], new: WindowStats, workers: int
         costed = costed or name == "batch time"
         mean = sum(values) / len(values)
         spread = _stdev(values)
-        absolute = name == "starvation"  # a share: it moves by points (from 0, too); costs move by their share
+        # a share and CPUs move by points (from 0, too); costs move by their share
+        absolute = name in ("starvation", OTHERS)
         if not absolute and mean <= 0:
             continue
         margin = max(floor if absolute else floor * mean, SHIFT_SIGMAS * spread * noise)
         felt = name != "batch time" or abs(now - mean) / max(workers, 1) > SHIFT_FELT * new.step_mean_s
+        if name == OTHERS:  # a neighbour matters where the cores were busy, with it or without it
+            busy = [w.cpu_busy for w in prior if w.cpu_busy is not None]
+            felt = new.cpu_busy is not None and max(new.cpu_busy, *busy) >= OTHERS_FELT
         # and outside every earlier window: a heavy-tailed cost makes lucky windows that earlier ones also had
         if felt and abs(now - mean) > margin and (now > max(values) or now < min(values)):
             if _typical_agrees(name, prior, new, workers, now > mean):
@@ -667,6 +676,9 @@ def _confirmed_shift(
     return Shift(b.signal, b.before, (a.now + b.now) / 2)
 
 
+OTHERS = "other processes' CPUs"  # a signal's name (see :data:`SHIFT_OTHERS`)
+
+
 def _signals(workers: int) -> list[tuple[str, Callable[[WindowStats], Optional[float]], float]]:
     def cost(w: WindowStats) -> Optional[float]:
         if w.worker_batch_s is not None:
@@ -677,6 +689,7 @@ def _signals(workers: int) -> list[tuple[str, Callable[[WindowStats], Optional[f
         ("batch time", cost, SHIFT_COST),
         ("step time", lambda w: w.step_mean_s, SHIFT_STEP),
         ("starvation", lambda w: w.starvation_ratio, SHIFT_STARVATION),
+        (OTHERS, lambda w: w.other_cpus, SHIFT_OTHERS),
     ]
 
 

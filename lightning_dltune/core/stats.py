@@ -119,6 +119,11 @@ class WindowStats:
         settling: 1 where the step time was still falling at the window's end (more warm-up to come).
         drained_batches: the window's leading batches that a mid-epoch switch's old workers delivered (made
             by the config before it), left out of every other field.
+        other_cpus: CPUs' worth of time that other processes (not the training process nor its
+            descendants, the loaders' workers) took on the cores the training process may run on, over the
+            whole window (:mod:`~lightning_dltune.measure.host_cpu`): a neighbour. ``None`` where unknown,
+            and in a window so far (a look).
+        cpu_busy: the share of those cores busy with anything over the window; ``None`` likewise.
     """
 
     batches: int = stat(0, Pool.SUM, Reduce.WORST)
@@ -145,6 +150,8 @@ class WindowStats:
     settling: int = stat(0, Pool.LATEST, Reduce.MAX)  # any rank still warming up
     drained_batches: int = stat(0, Pool.SUM, Reduce.MAX)
     tail_wait_s: float = stat(0.0, Pool.SUM, Reduce.WORST)  # the most starved rank's, as its total
+    other_cpus: Optional[float] = stat(None, Pool.MEAN, Reduce.MAX)  # the busiest neighbour any rank saw
+    cpu_busy: Optional[float] = stat(None, Pool.MEAN, Reduce.MAX)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "util_source", UtilSource(self.util_source))

@@ -7,6 +7,7 @@ no device sync, no tensor, no I/O, no growing container.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Optional
 
@@ -25,6 +26,7 @@ from lightning_dltune.loaders.loader import (
     tensor_bytes,
 )
 from lightning_dltune.loaders.switch import loader_config_of
+from lightning_dltune.measure.host_cpu import CpuReading, HostCpu
 from lightning_dltune.measure.lightning_internals import fetches_per_step, time_fit_loop_fetches
 from lightning_dltune.measure.meter import WindowMeter
 from lightning_dltune.nvml.sampler import UtilizationSampler
@@ -77,6 +79,8 @@ class WindowProbe:
         self._util_paused = False
         self._batch_size = 0
         self._batch_bytes: Optional[int] = None
+        self._host = None if validation else HostCpu()  # what else runs on the cores: read at a window's ends
+        self._host0: Optional[CpuReading] = None
 
     # -- the fit ---------------------------------------------------------------------------------
     def open_sampler(self, device: Optional[torch.device], poll_interval_s: float) -> UtilizationSampler:
@@ -130,6 +134,8 @@ class WindowProbe:
         self.meter.reset()
         self.meter.fresh = fresh
         self.config = config
+        if self._host is not None:
+            self._host0 = self._host.read()
         if self.sampler is not None:
             self.sampler.start_window()
             self.pause_util()  # loader start-up is not training: the next batch resumes
@@ -184,8 +190,9 @@ class WindowProbe:
         return self._batch_size
 
     # -- window end ------------------------------------------------------------------------------
-    def local_stats(self) -> WindowStats:
-        """This rank's stats of the window so far (before any cross-rank reduction)."""
+    def local_stats(self, closing: bool = False) -> WindowStats:
+        """This rank's stats of the window so far (before any cross-rank reduction); ``closing``: the window
+        closes, and what else ran on the cores over it is read too (not at a look: a millisecond of ``/proc``)."""
         batches = wall = cpu = 0.0
         spread: list[float] = []
         for counters, (b0, w0, c0), hist0 in self._marks:
@@ -201,7 +208,7 @@ class WindowProbe:
         main_cpu = time.process_time() - self._cpu0
         if self.config is not None and self.config.num_workers == 0:
             main_cpu -= cpu
-        return self.meter.window_stats(
+        stats = self.meter.window_stats(
             batch_size=self._batch_size,
             worker_batch_s=worker_batch_s,
             worker_batch_p95_s=worker_batch_p95_s,
@@ -213,3 +220,7 @@ class WindowProbe:
             fetches_per_step=self._per_step,
             workers=self.config.num_workers if self.config is not None else None,
         )
+        share = self._host.between(self._host0, self._host.read()) if closing and self._host is not None else None
+        if share is None:
+            return stats
+        return dataclasses.replace(stats, other_cpus=share.others, cpu_busy=share.busy)

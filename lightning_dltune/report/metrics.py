@@ -76,6 +76,8 @@ def window_scalars(
         metrics["queue_depth"] = s.queue_depth
     if s.worker_batch_s is not None:
         metrics["worker_batch_ms"] = 1e3 * s.worker_batch_s
+    if s.other_cpus is not None:
+        metrics["other_cpus"] = s.other_cpus
     return {tag(k): v for k, v in metrics.items()}
 
 

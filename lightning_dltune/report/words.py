@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from typing import Any, Mapping, Optional, Sequence
 
+from lightning_dltune.core.history import OTHERS
 from lightning_dltune.core.records import Reason, ReasonKind, WindowRecord
 from lightning_dltune.core.stats import UtilSource
 
@@ -189,7 +190,9 @@ def reason_text(reason: Reason, estimate: bool = False) -> str:
 
 
 def _level(signal: str, value: float) -> str:
-    return f"{value:.0%}" if signal == "starvation" else _ms(value)
+    if signal == "starvation":
+        return f"{value:.0%}"
+    return f"{value:.1f}" if signal == OTHERS else _ms(value)
 
 
 def _contention(v: dict[str, Any]) -> str:
