@@ -14,6 +14,7 @@ The callbacks run in the child process of one fit (see ``tuning.py --run-one``):
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -49,29 +50,40 @@ class EpochFlag(Callback):
 class CpuHog(Callback):
     """One process that busy-loops on a CPU from the start of epoch ``epoch`` to the start of the next one.
 
-    The hog ends itself after ``limit_s`` whatever happens to the fit, and is ended with the fit.
+    A neighbour, as another job on the node is: not the training process's descendant (a launcher starts
+    it and exits, so it is reparented), which the tuner would count as the job's own CPU. It ends itself
+    after ``limit_s`` whatever happens to the fit, and is ended with the fit.
     """
 
     def __init__(self, epoch: int, limit_s: float = 900.0) -> None:
         self.epoch = epoch
         self.limit_s = limit_s
-        self.process: Optional[subprocess.Popen] = None
+        self.pid: Optional[int] = None
         self.started_at: Optional[float] = None
         self.ended_at: Optional[float] = None
 
     def _start(self) -> None:
         code = f"import time\nend = time.monotonic() + {self.limit_s}\nwhile time.monotonic() < end:\n    pass\n"
-        self.process = subprocess.Popen([sys.executable, "-c", code, HOG_MARK])
+        launcher = (
+            "import subprocess, sys\n"
+            f"hog = subprocess.Popen([sys.executable, '-c', {code!r}, {HOG_MARK!r}], stdout=subprocess.DEVNULL,"
+            " stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)\n"
+            "print(hog.pid)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", launcher], check=True, capture_output=True, text=True)
+        self.pid = int(out.stdout.strip())
         self.started_at = time.perf_counter()
 
     def _stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        if self.pid is not None and self.ended_at is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.ended_at = time.perf_counter()
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if trainer.current_epoch == self.epoch and self.process is None:
+        if trainer.current_epoch == self.epoch and self.pid is None:
             self._start()
         elif trainer.current_epoch > self.epoch:
             self._stop()
