@@ -888,6 +888,18 @@ def test_starved_with_free_cpus_measures_a_step_up_rather_than_predict_no_gain()
     assert decision.verdict == Verdict.DATA_BOUND_IO
 
 
+def test_a_step_up_to_measure_beside_a_neighbour_does_not_call_the_cpus_free():
+    # the noisy-neighbour benchmark's 4 workers beside a CPU hog on 2 cores: they use 1.3 of them, the hog most of
+    # the rest; a step up still takes the cores a larger share, but "the CPUs are not busy" would be untrue
+    stats = replace(window(30, 10), other_cpus=0.6, cpu_busy=1.0)
+    decision = decide(cfg(3), stats, Budget(max_workers=32, cpus=4))
+    assert decision.config == cfg(4) and decision.reason["sized_by"] == "delivery"
+    text = reason_text(decision.reason)
+    assert text.endswith("a step up to measure (this job leaves the CPUs free; other processes take 0.6)")
+    quiet = decide(cfg(3), replace(stats, other_cpus=0.1), Budget(max_workers=32, cpus=4))
+    assert reason_text(quiet.reason).endswith("(the CPUs are not busy)")
+
+
 def test_past_the_modelled_cpu_limit_an_unknown_cpu_share_is_measured_one_worker_at_a_time():
     # a loader that cannot say its CPU share counts as CPU work: 3 workers and the training process fill 4 CPUs by
     # the model, but nothing measured them busy: one more worker is measured, not "CPU saturated" declared
@@ -1430,3 +1442,14 @@ def test_a_neighbour_leaving_busy_cores_is_new_conditions_though_the_workers_bat
     # on cores with room to spare the same neighbour takes nothing the workers need
     roomy = [replace(w, cpu_busy=0.5) for w in (hogged, alone)]
     assert detect_shift([roomy[0]] * 3, roomy[1], 7) is None
+
+
+def test_a_config_starved_beside_a_neighbour_that_left_no_longer_bars_the_leaner_ones():
+    # 2 workers starved beside a CPU hog (it took 0.7 of the 2 cores); 7 then fed the loop, and the hog left as they
+    # started: 2 x 2 starved only beside it
+    hogged = replace(window(12, 10, worker_ms=80, cpu_fraction=0.5), other_cpus=0.7, cpu_busy=1.0)
+    history = [record(0, cfg(2), hogged, cfg(2)), record(1, cfg(2), hogged, cfg(7))]
+    fed = replace(window(1.5, 10, worker_ms=150, cpu_fraction=0.27), other_cpus=0.05, cpu_busy=1.0)
+    assert recall(history, cfg(7), fed, ROOMY, DEFAULTS).starved == ()
+    still = replace(fed, other_cpus=0.6)  # the hog is still there: 2 x 2 still starves beside it
+    assert recall(history, cfg(7), still, ROOMY, DEFAULTS).starved == ((2, 2),)

@@ -189,6 +189,7 @@ class _Replay:
         self.rejected: dict[LoaderConfig, _Strike] = {}
         self.strikes: dict[LoaderConfig, int] = {}  # how often each config was undone (never forgotten: backoff)
         self.starved: list[tuple[int, int]] = []
+        self.starved_beside: dict[tuple[int, int], Optional[float]] = {}  # the CPUs others took as each starved
         self.outgrown: list[tuple[int, int]] = []  # configs a step up left and paid for, under today's conditions
         self.worker_ceiling: Optional[_Strike] = None
         self.prefetch_ceiling: Optional[_Strike] = None
@@ -273,6 +274,7 @@ class _Replay:
         self.shift = shift if i == len(self.windows) - 1 else None  # the newest window's decision says so
         self.rejected.clear()
         self.starved.clear()
+        self.starved_beside.clear()
         self.outgrown.clear()
         self.worker_ceiling = self.prefetch_ceiling = None
 
@@ -287,6 +289,7 @@ class _Replay:
         if is_starved(window, self.settings):
             if held not in self.starved:
                 self.starved.append(held)
+            self.starved_beside[held] = window.other_cpus
             return
         w, p = held
         self.starved[:] = [(sw, sp) for sw, sp in self.starved if not (sw >= w and sp >= p)]
@@ -305,7 +308,9 @@ class _Replay:
         rate_before, rate_after, tail_s = judged_rates(before_stats, judged)
         gain = _gain(rate_before, rate_after)
         slower = gain < -settings.min_gain
-        split = self._split(streak, first, i, before_stats) if slower and length == CONFIRM_WINDOWS else ()
+        # (a streak that ended there was judged as it ran: a split is the verdict of the window that closes it)
+        verdict_due = slower and length == CONFIRM_WINDOWS and not ended
+        split = self._split(streak, first, i, before_stats) if verdict_due else ()
         # more workers that did not pay although the model said they clearly would: no more of them
         # (a small expected gain that does not show proves nothing: windows differ by a few percent)
         stopped_helping = (
@@ -437,7 +442,7 @@ class _Replay:
             cost_error=_cost_error([w for _, w, _ in windows[now + 1 - count :]], windows[now][0].num_workers),
             rebuilds=sum(changes[self.conditions_from :]),
             rejected=tuple(c for c, strike in self.rejected.items() if strike.stands(now)),
-            starved=tuple(self.starved),
+            starved=self._still_starved(),
             outgrown=tuple(self.outgrown),
             worker_ceiling=_standing(self.worker_ceiling, now),
             prefetch_ceiling=_standing(self.prefetch_ceiling, now),
@@ -448,6 +453,24 @@ class _Replay:
             shift=self.shift,
             suspect=suspect,
             confirm_batches=confirm,
+        )
+
+    def _still_starved(self) -> tuple[tuple[int, int], ...]:
+        """The configs starved under today's conditions, less those starved beside a neighbour that has since left.
+
+        A neighbour's arrival is new conditions where its CPUs show in a config's own windows, and its leaving as
+        a change came does not (7 workers after 4 beside a CPU hog: the hog's 0.6 of a core went with it). A
+        config starved beside it (2 x 2 at 43 %) then barred the cut to the workers the CPUs carry for the rest
+        of the fit, 7 workers held at 1.35x the memory of 2. The CPUs others take now (the current config's
+        pooled windows) against those they took as it starved: fewer by more than :data:`SHIFT_OTHERS`.
+        """
+        now = self.pooled[-1].other_cpus
+        if now is None:
+            return tuple(self.starved)
+        return tuple(
+            held
+            for held in self.starved
+            if (beside := self.starved_beside.get(held)) is None or beside - now <= SHIFT_OTHERS
         )
 
     def _best_util(self) -> float:

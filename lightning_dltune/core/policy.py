@@ -179,6 +179,7 @@ _TAIL = 3.0  # a slowest batch past this many times the p95 is a heavy tail's (a
 _EDGE_WINDOWS = 4  # windows pooled below the band's low edge (within the hysteresis) that are no noise
 _SATURATED = 0.85  # CPU use (production plus the training process) past this share of the usable CPUs: saturated
 _BUSY_MAIN = 0.5  # a training process using this many CPUs or more: the workers' wait is not read as contention
+_NEIGHBOUR = 0.25  # other processes taking this many CPUs or more are named where the job's leave the CPUs free
 _PAYBACK = 2.0  # the most a refinement in the band can win back must be this many times its rebuild's cost
 
 _Rule = tuple[LoaderConfig, Verdict, Reason]
@@ -880,6 +881,9 @@ def _step_up(case: _Case, starved: dict, cost: dict, wanted: int, sized_by: str 
         "to_prefetch": target.prefetch_factor,
         "sized_by": sized_by,
     }
+    others = stats.other_cpus
+    if sized_by == "delivery" and others is not None and others >= _NEIGHBOUR:
+        numbers["others"] = others  # the job's processes leave the CPUs free, a neighbour does not
     return target, case.data_verdict, Reason(ReasonKind.MORE_WORKERS, numbers)
 
 

@@ -330,7 +330,10 @@ def _more_workers(v: dict[str, Any]) -> str:
         f", prefetch {v['prefetch']} -> {v['to_prefetch']} to fit memory" if v["to_prefetch"] != v["prefetch"] else ""
     )
     if v.get("sized_by") == "delivery":  # the model saw no gain; the loop's own delivery says try one step up
-        note += ", a step up to measure (the CPUs are not busy)"
+        if "others" in v:  # the cores are busy, but not with this job's work: more workers take a larger share
+            note += f", a step up to measure (this job leaves the CPUs free; other processes take {v['others']:.1f})"
+        else:
+            note += ", a step up to measure (the CPUs are not busy)"
     return f"{_starved(v)} with {_workers(v['workers'])}; {_cost(v)}: {_workers(v['to_workers'])}{note}"
 
 
