@@ -210,6 +210,7 @@ def _window_rows(history) -> list[dict[str, Any]]:
             "config": [r.config.num_workers, r.config.prefetch_factor],
             "next_config": [r.next_config.num_workers, r.next_config.prefetch_factor],
             "utilization": r.stats.utilization,
+            "other_cpus": r.stats.other_cpus,
             "verdict": str(r.verdict),
             "reason": reason_text(r.reason),
         }

@@ -33,6 +33,8 @@ SHIFT_STEP = 0.10  # ... or a step time by more than this share (an accelerator'
 SHIFT_STARVATION = 0.15  # ... or starvation that moved by more than this (absolute) ...
 SHIFT_SIGMAS = 3.0  # ... and by more than this many standard deviations of the pooled windows: new conditions
 SHIFT_OTHERS = 0.5  # ... or the CPUs other processes took that moved by more than this many (absolute), on cores
+OTHERS_LEFT = 0.25  # a config starved beside other processes' CPUs that fell by more than this since is not starved
+# today (see `_Replay._still_starved`)
 OTHERS_FELT = 0.85  # ... busy past this share of their time before or after (else the neighbour takes no CPU we need)
 SHIFT_FELT = 0.05  # a cost's move, shared among the workers, is at least this share of a step: one the loop cannot
 # feel (7 workers' 1.1 ms batches down to 0.4 ms beside a 20 ms step) is no new condition for the loaders
@@ -461,8 +463,11 @@ class _Replay:
         A neighbour's arrival is new conditions where its CPUs show in a config's own windows, and its leaving as
         a change came does not (7 workers after 4 beside a CPU hog: the hog's 0.6 of a core went with it). A
         config starved beside it (2 x 2 at 43 %) then barred the cut to the workers the CPUs carry for the rest
-        of the fit, 7 workers held at 1.35x the memory of 2. The CPUs others take now (the current config's
-        pooled windows) against those they took as it starved: fewer by more than :data:`SHIFT_OTHERS`.
+        of the fit, 7 workers held at 1.35x the memory of 2 (and 4 x 2, starved beside the hog's 0.45 of a core,
+        barred it too). The CPUs others take now (the current config's pooled windows) against those they took
+        as it starved: fewer by more than :data:`OTHERS_LEFT`. A neighbour that stayed also takes less of the
+        cores beside more workers (its share of them falls); a config it lifts so is a give-back away, judged like
+        any: undone where it starves again.
         """
         now = self.pooled[-1].other_cpus
         if now is None:
@@ -470,7 +475,7 @@ class _Replay:
         return tuple(
             held
             for held in self.starved
-            if (beside := self.starved_beside.get(held)) is None or beside - now <= SHIFT_OTHERS
+            if (beside := self.starved_beside.get(held)) is None or beside - now <= OTHERS_LEFT
         )
 
     def _best_util(self) -> float:
