@@ -1444,12 +1444,23 @@ def test_a_neighbour_leaving_busy_cores_is_new_conditions_though_the_workers_bat
     assert detect_shift([roomy[0]] * 3, roomy[1], 7) is None
 
 
-def test_a_config_starved_beside_a_neighbour_that_left_no_longer_bars_the_leaner_ones():
-    # 2 workers starved beside a CPU hog (it took 0.7 of the 2 cores); 7 then fed the loop, and the hog left as they
-    # started: 2 x 2 starved only beside it
+def test_configs_starved_or_outgrown_beside_a_neighbour_that_left_no_longer_bar_the_leaner_ones():
+    # the noisy-neighbour replay: 2 workers starved beside a CPU hog (it took 0.7 of the 2 cores), 4 paid and still
+    # starved (the hog's share 0.5), 7 fed the loop, and the hog left as they started: nothing starved without it
     hogged = replace(window(12, 10, worker_ms=80, cpu_fraction=0.5), other_cpus=0.7, cpu_busy=1.0)
-    history = [record(0, cfg(2), hogged, cfg(2)), record(1, cfg(2), hogged, cfg(7))]
+    shared = replace(window(6, 10, worker_ms=130, cpu_fraction=0.3), other_cpus=0.5, cpu_busy=1.0)
+    history = [
+        record(0, cfg(2), hogged, cfg(2)),
+        record(1, cfg(2), hogged, cfg(4)),
+        record(2, cfg(4), shared, cfg(4)),
+        record(3, cfg(4), shared, cfg(7)),
+    ]
     fed = replace(window(1.5, 10, worker_ms=150, cpu_fraction=0.27), other_cpus=0.05, cpu_busy=1.0)
-    assert recall(history, cfg(7), fed, ROOMY, DEFAULTS).starved == ()
-    still = replace(fed, other_cpus=0.5)  # the hog is still there: 2 x 2 still starves beside it
-    assert recall(history, cfg(7), still, ROOMY, DEFAULTS).starved == ((2, 2),)
+    beside = recall(history[:3], cfg(4), shared, ROOMY, DEFAULTS)
+    assert (beside.starved, beside.outgrown) == (((2, 2), (4, 2)), ((2, 2),))
+    gone = recall(history, cfg(7), fed, ROOMY, DEFAULTS)
+    assert (gone.starved, gone.outgrown) == ((), ())
+    # the hog still there, with a smaller share beside 7 workers: 4 x 2 starved beside as much, and bars every
+    # config at or below it (2 x 2's own mark, set beside the hog's larger share, lifts)
+    stayed = recall(history, cfg(7), replace(fed, other_cpus=0.4), ROOMY, DEFAULTS)
+    assert stayed.starved == ((4, 2),)

@@ -33,8 +33,8 @@ SHIFT_STEP = 0.10  # ... or a step time by more than this share (an accelerator'
 SHIFT_STARVATION = 0.15  # ... or starvation that moved by more than this (absolute) ...
 SHIFT_SIGMAS = 3.0  # ... and by more than this many standard deviations of the pooled windows: new conditions
 SHIFT_OTHERS = 0.5  # ... or the CPUs other processes took that moved by more than this many (absolute), on cores
-OTHERS_LEFT = 0.25  # a config starved beside other processes' CPUs that fell by more than this since is not starved
-# today (see `_Replay._still_starved`)
+OTHERS_LEFT = 0.25  # a config starved (or outgrown) beside other processes' CPUs that fell by more than this since
+# is not starved today (see `_Replay._today`)
 OTHERS_FELT = 0.85  # ... busy past this share of their time before or after (else the neighbour takes no CPU we need)
 SHIFT_FELT = 0.05  # a cost's move, shared among the workers, is at least this share of a step: one the loop cannot
 # feel (7 workers' 1.1 ms batches down to 0.4 ms beside a 20 ms step) is no new condition for the loaders
@@ -191,7 +191,9 @@ class _Replay:
         self.rejected: dict[LoaderConfig, _Strike] = {}
         self.strikes: dict[LoaderConfig, int] = {}  # how often each config was undone (never forgotten: backoff)
         self.starved: list[tuple[int, int]] = []
-        self.starved_beside: dict[tuple[int, int], Optional[float]] = {}  # the CPUs others took as each starved
+        # the CPUs others took as each config starved, and as a step up from it paid: beside a neighbour since gone?
+        self.starved_beside: dict[tuple[int, int], Optional[float]] = {}
+        self.outgrown_beside: dict[tuple[int, int], Optional[float]] = {}
         self.outgrown: list[tuple[int, int]] = []  # configs a step up left and paid for, under today's conditions
         self.worker_ceiling: Optional[_Strike] = None
         self.prefetch_ceiling: Optional[_Strike] = None
@@ -277,6 +279,7 @@ class _Replay:
         self.rejected.clear()
         self.starved.clear()
         self.starved_beside.clear()
+        self.outgrown_beside.clear()
         self.outgrown.clear()
         self.worker_ceiling = self.prefetch_ceiling = None
 
@@ -355,6 +358,8 @@ class _Replay:
             paid = streak.kind in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH) and helped
             if paid and resources(before) not in self.outgrown:
                 self.outgrown.append(resources(before))
+            if paid:
+                self.outgrown_beside[resources(before)] = _max_known(before_stats.other_cpus, judged.other_cpus)
 
     def _split(self, streak: _Streak, first: int, i: int, before_stats: WindowStats) -> tuple[float, ...]:
         """Each of windows ``first`` to ``i``'s own gain over ``before_stats``, where a step up's windows disagree
@@ -444,8 +449,8 @@ class _Replay:
             cost_error=_cost_error([w for _, w, _ in windows[now + 1 - count :]], windows[now][0].num_workers),
             rebuilds=sum(changes[self.conditions_from :]),
             rejected=tuple(c for c, strike in self.rejected.items() if strike.stands(now)),
-            starved=self._still_starved(),
-            outgrown=tuple(self.outgrown),
+            starved=self._today(self.starved, self.starved_beside),
+            outgrown=self._today(self.outgrown, self.outgrown_beside),
             worker_ceiling=_standing(self.worker_ceiling, now),
             prefetch_ceiling=_standing(self.prefetch_ceiling, now),
             last_change=self.last_change,
@@ -457,26 +462,24 @@ class _Replay:
             confirm_batches=confirm,
         )
 
-    def _still_starved(self) -> tuple[tuple[int, int], ...]:
-        """The configs starved under today's conditions, less those starved beside a neighbour that has since left.
+    def _today(
+        self, marks: list[tuple[int, int]], beside: dict[tuple[int, int], Optional[float]]
+    ) -> tuple[tuple[int, int], ...]:
+        """Configs starved (or outgrown) under today's conditions, less those marked beside a neighbour since gone.
 
         A neighbour's arrival is new conditions where its CPUs show in a config's own windows, and its leaving as
-        a change came does not (7 workers after 4 beside a CPU hog: the hog's 0.6 of a core went with it). A
-        config starved beside it (2 x 2 at 43 %) then barred the cut to the workers the CPUs carry for the rest
-        of the fit, 7 workers held at 1.35x the memory of 2 (and 4 x 2, starved beside the hog's 0.45 of a core,
-        barred it too). The CPUs others take now (the current config's pooled windows) against those they took
-        as it starved: fewer by more than :data:`OTHERS_LEFT`. A neighbour that stayed also takes less of the
-        cores beside more workers (its share of them falls); a config it lifts so is a give-back away, judged like
-        any: undone where it starves again.
+        a change came does not (7 workers after 4 beside a CPU hog: the hog's 0.6 of a core went with it). The
+        configs starved beside it (2 x 2 at 41 %, 4 x 2 at 25 %), and the steps up from them that paid, then
+        barred the cut to the workers the CPUs carry for the rest of the fit: 7 workers held at 1.3x the memory
+        of 2. The CPUs others take now (the current config's pooled windows) against those they took as a mark
+        was set: fewer by more than :data:`OTHERS_LEFT`. A neighbour that stayed also takes less of the cores
+        beside more workers (its share of them falls); a config it lifts so is a give-back away, judged like any:
+        undone where it starves again.
         """
         now = self.pooled[-1].other_cpus
         if now is None:
-            return tuple(self.starved)
-        return tuple(
-            held
-            for held in self.starved
-            if (beside := self.starved_beside.get(held)) is None or beside - now <= OTHERS_LEFT
-        )
+            return tuple(marks)
+        return tuple(held for held in marks if (then := beside.get(held)) is None or then - now <= OTHERS_LEFT)
 
     def _best_util(self) -> float:
         """The highest utilization of windows pooled two or more since conditions last shifted (0: none)."""
@@ -719,6 +722,11 @@ def _signals(workers: int) -> list[tuple[str, Callable[[WindowStats], Optional[f
         ("starvation", lambda w: w.starvation_ratio, SHIFT_STARVATION),
         (OTHERS, lambda w: w.other_cpus, SHIFT_OTHERS),
     ]
+
+
+def _max_known(*values: Optional[float]) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def _ratio(now: float, before: float) -> float:
