@@ -32,10 +32,10 @@ SHIFT_STEP = 0.10  # ... or a step time by more than this share (an accelerator'
 # means a busier host, whose pooled windows would otherwise read as slack) ...
 SHIFT_STARVATION = 0.15  # ... or starvation that moved by more than this (absolute) ...
 SHIFT_SIGMAS = 3.0  # ... and by more than this many standard deviations of the pooled windows: new conditions
-SHIFT_OTHERS = 0.5  # ... or the CPUs other processes took that moved by more than this many (absolute), on cores
+SHIFT_OTHERS = 0.5  # the CPUs other processes took (a neighbour) moved by more than this many (and the sigmas), on
+OTHERS_FELT = 0.85  # cores busy past this share of their time with it or without it (else it takes none we need)
 OTHERS_LEFT = 0.25  # a config starved (or outgrown) beside other processes' CPUs that fell by more than this since
 # is not starved today (see `_Replay._today`)
-OTHERS_FELT = 0.85  # ... busy past this share of their time before or after (else the neighbour takes no CPU we need)
 SHIFT_FELT = 0.05  # a cost's move, shared among the workers, is at least this share of a step: one the loop cannot
 # feel (7 workers' 1.1 ms batches down to 0.4 ms beside a 20 ms step) is no new condition for the loaders
 MIXED_COST = 2**0.25  # a window's p95 cost read as its newest batches' must clear its mean by a p95 bin's width
@@ -368,8 +368,9 @@ class _Replay:
         One window not slower (by ``min_gain``) and another slower by more than :data:`SPLIT_SLOWER` times
         ``min_gain``: the conditions moved between them (a CPU hog arrived while 4 x 1 was measured against
         2 x 2: +0 % in its first window, -30 % in its second; pooled, -15 % undid it, and the config it went
-        back to ran 35 % starved for the rest of the fit, which 4 x 1 would have fed; in a replay, -3 % and
-        -23 %). A step up that is itself slower is slower in each of its windows.
+        back to ran 35 % starved for the rest of the fit, which 4 x 1 would have fed; in replays, -3 % then
+        -23 %, and the hog in the first window instead, -20 % then +4 %). A step up that is itself slower is
+        slower in each of its windows.
         """
         if streak.judged_from >= 0 or streak.kind not in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH):
             return ()
