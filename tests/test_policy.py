@@ -1464,3 +1464,16 @@ def test_configs_starved_or_outgrown_beside_a_neighbour_that_left_no_longer_bar_
     # config at or below it (2 x 2's own mark, set beside the hog's larger share, lifts)
     stayed = recall(history, cfg(7), replace(fed, other_cpus=0.4), ROOMY, DEFAULTS)
     assert stayed.starved == ((4, 2),)
+
+
+def test_a_shift_whose_first_window_the_lead_still_fed_is_judged_on_the_starved_window_alone():
+    # drift-epoch with the project's own loaders: storage 2.7x slower; a look's 6-batch window saw the cost rise
+    # while the batches in flight still fed the loop (95 % busy), the confirming window starved (56 %). Pooled,
+    # 66 % was "not clearly outside the band" and 3 workers ran 78 more batches 46 % starved
+    old = window(1.5, 20, worker_ms=46, cpu_fraction=0.05, batches=50)
+    fed = window(1.0, 20, worker_ms=125, cpu_fraction=0.02, batches=6)
+    starved = window(16, 20, worker_ms=125, cpu_fraction=0.02, batches=10)
+    history = [record(0, cfg(3), old, cfg(3)) for _ in range(4)] + [record(0, cfg(3), fed, cfg(3))]
+    decision = decide(cfg(3), starved, ROOMY, history)
+    assert reason_text(decision.reason).startswith("conditions changed (batch time 46 ms -> 125 ms), judged afresh")
+    assert decision.config.num_workers > 3 and decision.reason["starvation"] == pytest.approx(16 / 36)

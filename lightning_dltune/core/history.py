@@ -243,9 +243,10 @@ class _Replay:
         window is noise: a heavy-tailed cost alone moves it); the new streak starts with the first of them,
         or with the second where the first moved less than ``PARTIAL_MOVE`` of the second's way (the change
         came inside the first: half old conditions, pooled with the new ones it would blur both the cost
-        the next step is sized from and the spread that says whether the loop is clearly outside the band).
-        Also when window ``i`` alone shows a measured cost that rose and starved a loop the earlier ones fed
-        (:func:`starved_rise`): the new streak starts with it.
+        the next step is sized from and the spread that says whether the loop is clearly outside the band), or
+        where the first fed the loop and the second starved it (the first's batches came from the lead the old
+        conditions built: its utilization is theirs). Also when window ``i`` alone shows a measured cost that
+        rose and starved a loop the earlier ones fed (:func:`starved_rise`): the new streak starts with it.
         """
         config, window = self.windows[i][0], self.windows[i][1]
         prior = [w for _, w, _ in self.windows[max(streak.start, i - 1 - POOLED_WINDOWS) : i - 1]]
@@ -256,6 +257,11 @@ class _Replay:
                 detect_shift(prior, window, config.num_workers),
             )
             partial = first is not None and second is not None and _moved(first) < PARTIAL_MOVE * _moved(second)
+            # the first window fed from the lead the old conditions built, the second starved: the first's
+            # utilization is the old conditions' (pooled, 95 % and 56 % read as 66 % "not clearly outside the
+            # band", and 3 workers ran 78 batches 46 % starved before a step up)
+            settings = self.settings
+            partial = partial or (is_starved(window, settings) and not is_starved(self.windows[i - 1][1], settings))
         else:
             fed = [w for _, w, _ in self.windows[max(streak.start, i - POOLED_WINDOWS) : i]]
             moved = starved_rise(fed, window, config.num_workers, self.settings)
