@@ -11,13 +11,11 @@ import sys
 import time
 
 import pytest
-from neighbour import start_neighbour, stop_neighbour
+from neighbour import busy_loop, start_neighbour, stop_neighbour
 
 from lightning_dltune.measure.host_cpu import HostCpu
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's per-CPU times")
-
-HOG = "import time\nend = time.time() + 30\nwhile time.time() < end: pass\n"
 
 
 def _others_over(host: HostCpu, seconds: float) -> float:
@@ -40,7 +38,7 @@ def test_a_neighbour_shows_and_the_processes_we_started_do_not():
         stop_neighbour(pid)
     assert beside > quiet + 0.6  # a busy loop takes about a core
 
-    ours = subprocess.Popen([sys.executable, "-c", HOG])  # a worker of ours (a descendant) takes a core too
+    ours = subprocess.Popen([sys.executable, "-c", busy_loop(30)])  # a worker of ours (a descendant) takes a core too
     try:
         time.sleep(0.2)
         with_child = _others_over(host, 1.0)
@@ -50,7 +48,7 @@ def test_a_neighbour_shows_and_the_processes_we_started_do_not():
     assert with_child < quiet + 0.4
 
     start = host.read()  # a worker that made batches and exited between two readings is still ours
-    subprocess.run([sys.executable, "-c", "import time\nend = time.time() + 0.8\nwhile time.time() < end: pass\n"])
+    subprocess.run([sys.executable, "-c", busy_loop(0.8)])
     share = host.between(start, host.read())
     assert share is not None and share.others < quiet + 0.4
 

@@ -14,9 +14,14 @@ import sys
 _LOOP = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
 
 
+def busy_loop(seconds: float) -> str:
+    """Python code that keeps a core busy for ``seconds`` (run it as a child to make a worker of our own)."""
+    return _LOOP.format(seconds=seconds)
+
+
 def start_neighbour(seconds: float = 60.0) -> int:
     """A detached busy loop; its pid."""
-    code = _LOOP.format(seconds=seconds)
+    code = busy_loop(seconds)
     out = subprocess.run(
         ["sh", "-c", f'{sys.executable} -c "{code}" >/dev/null 2>&1 & echo $!'],
         check=True,
