@@ -167,8 +167,8 @@ class DataLoaderTuner(Callback):
         nvml_poll_interval_s: seconds between NVML reads during training.
         first_decision_after: the fit's first window closes after this many batches (the start config is
             judged early, and the loaders switch right away); ``0``: the first window is a regular one.
-            From 0 workers a longer one already closes after 6 where the loop waited for its batches
-            longer than it computed (and the steps settled).
+            From 0 workers a longer one already closes after 4 (or 6) where the loop waited for its
+            batches longer than it computed (and the steps settled).
         window_batches: fewest batches in a window. The default suits a ~100 ms accelerator step: 50
             batches, 5 s, about 30 NVML samples. A window also looks for new conditions every 12 % of
             ``window_batches`` batches (at least 6, and a 24th of the window's time) and closes there

@@ -189,8 +189,8 @@ def test_the_first_epoch_switches_loaders_mid_epoch_without_losing_or_repeating_
     trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
     trainer.fit(model, datamodule=dm)
     early, rest = tuner.history[0], tuner.history[1]
-    # from 0 workers, 86 % starved: the first window's early look (6 batches) judges it
-    assert early.epoch == rest.epoch == 0 and early.end_batch == (6 if start_workers == 0 else 10)
+    # from 0 workers, 86 % starved: the first window's early look (4 batches, or 6 after slow first steps) judges it
+    assert early.epoch == rest.epoch == 0 and early.end_batch in ((4, 6) if start_workers == 0 else (10,))
     assert early.config.num_workers == start_workers and rest.config.num_workers > start_workers
     assert rest.stats.all_batches == 62 - early.end_batch  # the rest of the epoch ran with the new workers
     for seen in model.train_indices:
@@ -364,7 +364,7 @@ def test_a_failed_mid_epoch_switch_keeps_the_whole_epoch_and_its_validation(trai
     tuner = DataLoaderTuner(verbose=False, first_decision_after=10, max_workers=4)
     trainer = pl.Trainer(max_epochs=2, callbacks=[tuner], **trainer_kwargs)
     rollbacks = _fit_counting_rollbacks(trainer, model, dm)
-    assert tuner.history[0].end_batch == 6 and tuner.history[0].changed  # the early look, from 0 workers
+    assert tuner.history[0].end_batch in (4, 6) and tuner.history[0].changed  # an early look, from 0 workers
     assert rollbacks == 1
     for seen in model.train_indices:
         assert sorted(seen) == list(range(160))  # full length: the dead workers' batches came again

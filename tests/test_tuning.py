@@ -41,9 +41,9 @@ def test_an_io_bound_pipeline_started_without_workers_gets_workers_and_runs_fast
     first, third = tuner.history[0], _epoch(tuner, 3)
     assert first.num_workers == 0 and first.starvation_ratio > 0.5
     assert first.verdict == "data-bound (I/O)"
-    # decided at the first window's early look (6 batches: the loop made its own batches and waited for them
-    # most of its time), and switched right away
-    assert first.end_batch == 6
+    # decided at the first window's early look (4 batches: the loop made its own batches and waited for them
+    # most of its time; 6 where a busy machine slowed more than the first step), and switched right away
+    assert first.end_batch in (4, 6)
     # sleeping workers need no CPU, so more of them help even on a busy machine: by epoch 3 the loop waits
     # clearly less and runs at least 1.5x as fast (about 4x, starved under 15 %, on an idle machine)
     assert third.num_workers >= 2

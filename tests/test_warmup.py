@@ -38,6 +38,14 @@ def test_short_windows_are_taken_as_they_are():
     assert warmup_steps([1.0, 0.03, 0.03]) == (0, False)
 
 
+def test_four_steps_tell_a_slow_first_step_but_not_a_longer_warm_up():
+    assert warmup_steps([0.09, 0.03, 0.03, 0.03]) == (1, False)  # 3 settled steps after it
+    assert warmup_steps([0.09, 0.03, 0.031, 0.029, 0.03]) == (1, False)
+    assert warmup_steps([2.0, 0.5, 0.2, 0.031, 0.03]) == (3, True)  # over half of it: not settled yet
+    assert warmup_steps([2.0, 0.5, 0.2, 0.031]) == (0, False)  # no two settled in a row: taken as it is (busy)
+    assert warmup_steps([0.03, 0.031, 0.029, 0.03]) == (0, False)
+
+
 # -- in a real fit -------------------------------------------------------------------------------
 
 
@@ -75,9 +83,9 @@ def test_the_first_look_sees_the_starvation_behind_slow_first_steps(trainer_kwar
 @pytest.mark.slow
 def test_a_first_window_still_warming_up_goes_on_until_the_steps_settle(trainer_kwargs):
     # the planned 10 batches are all warm-up, falling; at batch 20 more than half the window still is. The
-    # window goes on 10 batches at a time, each with its early look 6 batches in: at batch 26 the steps have
-    # settled (12 of warm-up, 14 after) and the loop waits twice as long as it computes, so it is judged there
+    # window goes on 10 batches at a time, each with its early looks 4 and 6 batches in: at batch 24 the steps
+    # have settled (12 of warm-up, 12 after) and the loop waits twice as long as it computes, so it is judged there
     falling = [0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.08, 0.06, 0.04, 0.03]
     first = _first_window(trainer_kwargs, falling)
-    assert first.end_batch == 26 and first.stats.warmup_batches == 12 and first.stats.batches == 14
+    assert first.end_batch == 24 and first.stats.warmup_batches == 12 and first.stats.batches == 12
     assert first.stats.starvation_ratio > 0.4 and first.next_config.num_workers > 0

@@ -20,27 +20,43 @@ def test_the_fits_first_window_is_short_and_needs_an_epoch_twice_as_long():
     assert schedule.end == NO_BATCH  # the epoch end closes it
 
 
-def test_the_fits_first_window_looks_once_after_six_batches():
+def test_the_fits_first_window_looks_after_four_batches_and_again_after_six():
     schedule = WindowSchedule(window_batches=50, window_seconds=3.0, first_batches=10)
     schedule.open(0, epoch_batches=900, mid_epoch=True, seen=False, looks=True)
-    assert (schedule.end, schedule.look) == (9, 5)
+    assert (schedule.end, schedule.look) == (9, 3)
+    schedule.looked(3)
+    assert schedule.look == 5  # the steps had not settled, or the loop was not plainly starved: two more
     schedule.looked(5)
-    assert schedule.look == NO_BATCH  # one early look: the next would be past the close
+    assert schedule.look == NO_BATCH  # the next would be past the close
     schedule.open(0, epoch_batches=900, mid_epoch=True, seen=False, looks=False)
     assert schedule.look == NO_BATCH  # monitoring only
     short = WindowSchedule(window_batches=50, window_seconds=3.0, first_batches=6)
     short.open(0, epoch_batches=900, mid_epoch=True, seen=False, looks=True)
-    assert (short.end, short.look) == (5, NO_BATCH)  # no shorter than it is already
+    assert (short.end, short.look) == (5, 3)  # a look after 6 would be its close
+    short.looked(3)
+    assert short.look == NO_BATCH
+    shortest = WindowSchedule(window_batches=50, window_seconds=3.0, first_batches=4)
+    shortest.open(0, epoch_batches=900, mid_epoch=True, seen=False, looks=True)
+    assert (shortest.end, shortest.look) == (3, NO_BATCH)  # no shorter than it is already
     schedule.open(0, epoch_batches=19, mid_epoch=True, seen=False, looks=True)
     assert (schedule.end, schedule.look) == (NO_BATCH, NO_BATCH)  # the epoch end closes it: as it did
+    schedule.open(0, epoch_batches=900, mid_epoch=True, seen=False, looks=True)
+    schedule.open(9, epoch_batches=900, mid_epoch=True, seen=True, looks=True)
+    assert schedule.look == NO_BATCH  # a later window has no early looks left over
 
 
-def starting(fetch_ms: float, step_ms: float = 20.0, batches: int = 6, **kwargs) -> WindowStats:
+def starting(
+    fetch_ms: float, step_ms: float = 20.0, batches: int = 6, first_fetch_ms: float | None = None, **kwargs
+) -> WindowStats:
+    """A first window's stats: ``batches`` fetches of ``fetch_ms`` (the first ``first_fetch_ms``) and steps."""
+    first = fetch_ms if first_fetch_ms is None else first_fetch_ms
     return WindowStats(
         batches=batches,
         samples=32 * batches,
-        fetch_wait_total_s=fetch_ms / 1000 * batches,
+        fetch_wait_total_s=(first + fetch_ms * (batches - 1)) / 1000,
         step_total_s=step_ms / 1000 * batches,
+        fetch_wait_p50_s=fetch_ms / 1000,
+        step_p50_s=step_ms / 1000,
         fetches=batches,
         **kwargs,
     )
@@ -49,10 +65,13 @@ def starting(fetch_ms: float, step_ms: float = 20.0, batches: int = 6, **kwargs)
 def test_only_a_plainly_starved_start_at_0_workers_is_judged_at_the_early_look():
     assert starved_start(starting(fetch_ms=60), num_workers=0)  # 75 % starved: the loop makes its batches
     assert starved_start(starting(fetch_ms=20), num_workers=0)  # half its time waiting
+    assert starved_start(starting(fetch_ms=60, batches=3, warmup_batches=1), num_workers=0)  # 3 settled: enough
     assert not starved_start(starting(fetch_ms=8), num_workers=0)  # 71 % busy: the regular first window
     assert not starved_start(starting(fetch_ms=60), num_workers=2)  # workers: their start-up and queue fill
     assert not starved_start(starting(fetch_ms=60, settling=1), num_workers=0)  # the steps still fall
-    assert not starved_start(starting(fetch_ms=60, batches=3, warmup_batches=3), num_workers=0)  # mostly warm-up
+    assert not starved_start(starting(fetch_ms=60, batches=2, warmup_batches=2), num_workers=0)  # mostly warm-up
+    # one slow first fetch (a file opened lazily) waits longer than 3 steps: 59 % starved, but no batch since was
+    assert not starved_start(starting(fetch_ms=5, batches=3, first_fetch_ms=90), num_workers=0)
 
 
 def test_a_window_is_window_seconds_at_the_last_pace_but_never_under_window_batches():

@@ -6,7 +6,7 @@ anywhere in an epoch and at every epoch end; an epoch's last window takes the ta
 be shorter than half a window. A window longer than twice :attr:`WindowSchedule.look_every` (12 % of
 ``window_batches``, at least 6 batches and a 24th of the window) also *looks* that often (the callback
 closes it early there when conditions changed); the fit's first window
-looks once, after :data:`EARLY_LOOK_BATCHES`, and closes there where the start config starves plainly
+looks after each of :data:`EARLY_LOOKS` batches, and closes there where the start config starves plainly
 (:func:`starved_start`). A window that only confirms a suspected change is as short as the decision
 says is enough (``length_after``).
 
@@ -36,11 +36,12 @@ WARMUP_FLOOR_S = 0.005  # ... and at least this much slower (a few ms of noise o
 _FALLING = 0.67  # the last third of the settled steps this much faster than their first third: the pace still falls
 _MOST_SETTLING = 4  # a window whose pace still falls goes on to at most this many times its planned length
 LOOK_FRACTION = 0.12  # a long window looks for new conditions every this share of ``window_batches`` ...
-LOOK_FEWEST = 6  # ... and at least this many batches apart (the warm-up rule's fewest steps) ...
+LOOK_FEWEST = 6  # ... and at least this many batches apart ...
 LOOK_PARTS = 24  # ... and no more looks than this in a window's planned length (its time: an eighth of 3 s)
-EARLY_LOOK_BATCHES = 6  # the fit's first window looks after this many batches (the warm-up rule's fewest steps) ...
+EARLY_LOOKS = (4, 6)  # the fit's first window looks after these many batches (4: the warm-up rule's fewest steps) ...
 EARLY_STARVATION = 0.5  # ... and closes there from 0 workers where the loop waited at least this share of its time
-_EARLY_FEWEST = 4  # ... on at least this many batches after the warm-up
+_EARLY_FEWEST = 3  # ... on at least this many batches after the warm-up
+_WARMUP_FEWEST = 4  # a window of fewer steps is taken as it is: no warm-up told from it
 VAL_FEWEST_BATCHES = 8  # a validation decision needs this many batches of its config, its runs pooled
 
 
@@ -53,10 +54,12 @@ def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:
     (or :data:`WARMUP_FLOOR_S` above it, whichever is more).
     The pace still falls when over half the window was warm-up, or when the last third of the rest is
     faster than :data:`_FALLING` times its first third (and by :data:`WARMUP_FLOOR_S`). Windows of fewer
-    than 6 steps are taken as they are. The early decision comes later only where the pace still falls.
+    than :data:`_WARMUP_FEWEST` steps are taken as they are (with 4 or 5 the settled pace is the last
+    step's, and a falling pace is not told from them). The early decision comes later only where the pace
+    still falls.
     """
     n = len(steps)
-    if n < 6:
+    if n < _WARMUP_FEWEST:
         return 0, False
     third = n // 3
     settled = statistics.median_high(steps[n - third :])
@@ -75,20 +78,23 @@ def warmup_steps(steps: Sequence[float]) -> tuple[int, bool]:
 
 
 def starved_start(stats: WindowStats, num_workers: int) -> bool:
-    """Whether the fit's first window is judged at its early look (after :data:`EARLY_LOOK_BATCHES`).
+    """Whether the fit's first window is judged at an early look (after each of :data:`EARLY_LOOKS` batches).
 
     Only at 0 workers: the loop makes every batch itself, so each fetch wait is one batch's making, with no
     queue to fill and no workers to start; a few batches tell it as well as ten. The window must have
-    settled (at least :data:`_EARLY_FEWEST` batches after its warm-up, the step time no longer falling)
-    and the loop waited at least :data:`EARLY_STARVATION` of its time for data (it waited longer than it
-    computed, far below any band). From 0 workers at 31-34 % busy (the demo) that is 4 batches fewer
-    made in the training process than the regular first window's 10.
+    settled (at least :data:`_EARLY_FEWEST` batches after its warm-up, the step time no longer falling),
+    the loop waited at least :data:`EARLY_STARVATION` of its time for data (it waited longer than it
+    computed, far below any band), and so did its median batch (one slow first fetch, a lazily opened
+    file, is no starvation). From 0 workers at 21-34 % busy (the demo, the I/O-bound benchmark) that is
+    6 batches fewer made in the training process than the regular first window's 10; where the first
+    steps are slow (the demo's first look on a busy machine), the look after 6 batches judges it.
     """
     return (
         num_workers == 0
         and not stats.settling
         and stats.batches >= _EARLY_FEWEST
         and stats.starvation_ratio >= EARLY_STARVATION
+        and stats.fetch_wait_p50_s >= stats.step_p50_s
     )
 
 
@@ -108,6 +114,7 @@ class WindowSchedule:
     next_length: int = field(init=False)
     end: int = NO_BATCH  # batch index of the epoch at which the open window closes
     look: int = NO_BATCH  # batch index of the open window's next look for new conditions
+    _early: list[int] = field(init=False, default_factory=list)  # the fit's first window's later early looks
 
     def __post_init__(self) -> None:
         self.next_length = self.first_batches or self.window_batches
@@ -143,10 +150,11 @@ class WindowSchedule:
                 loaders can switch there).
             seen: whether the fit already closed a window (else this is the first, ``first_batches`` long).
             looks: whether a window longer than twice :attr:`look_every` looks for new conditions every
-                :attr:`look_every` batches (the fit's first one, longer than :data:`EARLY_LOOK_BATCHES` and
-                closing mid-epoch, once after that many).
+                :attr:`look_every` batches (the fit's first one, closing mid-epoch, after each of
+                :data:`EARLY_LOOKS` batches shorter than it).
         """
         self.end = self.look = NO_BATCH
+        self._early = []
         if not mid_epoch:
             return
         length = self.next_length
@@ -157,8 +165,9 @@ class WindowSchedule:
         if math.isfinite(epoch_batches) and epoch_batches - (end + 1) < tail:
             return
         self.end = end
-        if looks and not seen and length > EARLY_LOOK_BATCHES:  # it closes mid-epoch: maybe sooner
-            self.look = first_batch + EARLY_LOOK_BATCHES - 1
+        if looks and not seen:  # it closes mid-epoch: maybe sooner
+            self._early = [first_batch + n - 1 for n in EARLY_LOOKS if n < length]
+            self.look = self._early.pop(0) if self._early else NO_BATCH
 
     @property
     def look_every(self) -> int:
@@ -184,6 +193,9 @@ class WindowSchedule:
 
     def looked(self, batch_idx: int) -> None:
         """The look at ``batch_idx`` found the same conditions: the next one, if the window goes on that long."""
+        if self._early:
+            self.look = self._early.pop(0)
+            return
         self.look = batch_idx + self.look_every
         if self.end != NO_BATCH and self.look >= self.end:
             self.look = NO_BATCH
