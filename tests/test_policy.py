@@ -1386,12 +1386,13 @@ def test_zero_workers_are_not_measured_for_a_wait_that_is_not_the_hand_over():
 
 
 def test_a_step_up_whose_windows_disagree_is_judged_again_on_the_windows_after_them():
-    # 4 -> 8 workers: its first window as fast as 4 ran, its second 32 % slower (a CPU hog arrived in it); pooled
-    # they lose 16 %, which alone would undo the step. Windows that disagree say the conditions moved between them
-    before = window(5, 10, worker_ms=40, cpu_fraction=0.9)
-    alike = window(5, 10, worker_ms=80, cpu_fraction=0.9)
-    hog = window(12, 10, worker_ms=190, cpu_fraction=0.4)
-    faster = window(1, 10, worker_ms=60, cpu_fraction=0.9)
+    # 4 -> 8 workers: its first window as fast as 4 ran, its second 32 % slower (a CPU hog arrived in it: the
+    # cores say so); pooled they lose 16 %, which alone would undo the step. Windows that disagree, and a
+    # neighbour that came between them, say the conditions moved between them
+    before = replace(window(5, 10, worker_ms=40, cpu_fraction=0.9), other_cpus=0.1)
+    alike = replace(window(5, 10, worker_ms=80, cpu_fraction=0.9), other_cpus=0.1)
+    hog = replace(window(12, 10, worker_ms=190, cpu_fraction=0.4), other_cpus=1.7)
+    faster = replace(window(1, 10, worker_ms=60, cpu_fraction=0.9), other_cpus=0.1)
     history = [record(0, cfg(4), before, cfg(8)), record(1, cfg(8), alike, cfg(8))]
     split = decide(cfg(8), hog, ROOMY, history)
     assert split.config == cfg(8) and split.reason.kind == ReasonKind.CONFIRM_SLOWER
@@ -1413,6 +1414,21 @@ def test_a_step_up_whose_windows_disagree_is_judged_again_on_the_windows_after_t
     undone = decide(cfg(8), hog, ROOMY, history + [record(3, cfg(8), hog, cfg(8))])
     assert undone.config == cfg(4) and undone.reason.kind == ReasonKind.UNDO_SLOWER
     assert undone.reason["rate"] == pytest.approx(32 / 0.022)
+
+
+@pytest.mark.parametrize("others", [(0.13, 0.07), (None, None), (0.1, None)])
+def test_a_step_up_whose_windows_disagree_with_no_neighbour_between_them_is_judged_on_them(others):
+    # the CPU-bound benchmark: 2 x 2 -> 4 x 1 on 2 cores, -2 % then -12 %, nothing else on the cores (or no
+    # reading of them): the spread of a slower step up's windows, pooled (-7 %) as any two windows are
+    before = replace(window(4, 20, worker_ms=50, cpu_fraction=0.9), other_cpus=0.1)
+    windows = [
+        replace(window(4 + 0.5, 20, worker_ms=100, cpu_fraction=0.95), other_cpus=others[0]),
+        replace(window(4 + 3.3, 20, worker_ms=100, cpu_fraction=0.95), other_cpus=others[1]),
+    ]
+    history = [record(0, cfg(2), before, cfg(4)), record(1, cfg(4), windows[0], cfg(4))]
+    decision = decide(cfg(4), windows[1], ROOMY, history)
+    assert "split" not in decision.reason.values and "disagree" not in reason_text(decision.reason)
+    assert decision.reason.kind in (ReasonKind.UNDO_SLOWER, ReasonKind.CONFIRM_SLOWER)
 
 
 def test_a_step_up_slower_in_each_window_is_undone_on_its_two_windows():

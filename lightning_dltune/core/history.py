@@ -49,8 +49,9 @@ REPLAYED_WINDOWS = 256  # a decision replays the fit's latest this-many windows:
 CONTENTION_STEP = 0.25  # a step this much slower than before a change: the machine got busier (or our workers
 # take the training process's CPU); the change is measured again before it is judged
 SPLIT_SLOWER = 2.0  # a change's judged windows disagree where one is not slower (by `min_gain`) and another is
-# slower by more than this many times `min_gain`: the conditions moved between them, and the change is judged
-# afresh on the windows after them
+# slower by more than this many times `min_gain`, and ...
+SPLIT_OTHERS = SHIFT_OTHERS  # ... what other processes took of the cores moved between them by more than this
+# many CPUs: the conditions moved between them, and the change is judged afresh on the windows after them
 
 
 class ChangeKind(str, Enum):
@@ -372,16 +373,24 @@ class _Replay:
         on it (empty where they agree, and once a streak was judged afresh: its second verdict stands).
 
         One window not slower (by ``min_gain``) and another slower by more than :data:`SPLIT_SLOWER` times
-        ``min_gain``: the conditions moved between them (a CPU hog arrived while 4 x 1 was measured against
+        ``min_gain``, with what other processes took of the cores moving by more than :data:`SPLIT_OTHERS`
+        between them: the conditions moved between them (a CPU hog arrived while 4 x 1 was measured against
         2 x 2: +0 % in its first window, -30 % in its second; pooled, -15 % undid it, and the config it went
         back to ran 35 % starved for the rest of the fit, which 4 x 1 would have fed; in replays, -3 % then
         -23 %, and the hog in the first window instead, -20 % then +4 %). A step up that is itself slower is
-        slower in each of its windows.
+        slower in each of its windows, but not by the same: the CPU-bound benchmark's 2 x 2 -> 4 x 1 on 2
+        cores lost 2 % and 12 % with nothing else on the cores (0.13 and 0.07 of a CPU), and measuring it
+        afresh kept the slower config an epoch longer: windows that disagree without a neighbour's move are
+        the spread of a step up's windows, and are pooled.
         """
         if streak.judged_from >= 0 or streak.kind not in (ChangeKind.MORE_WORKERS, ChangeKind.MORE_PREFETCH):
             return ()
         min_gain = self.settings.min_gain
-        gains = tuple(throughput_gain(before_stats, w) for _, w, _ in self.windows[first : i + 1])
+        judged = [w for _, w, _ in self.windows[first : i + 1]]
+        others = [w.other_cpus for w in judged]
+        if None in others or max(others) - min(others) <= SPLIT_OTHERS:  # type: ignore[type-var]
+            return ()
+        gains = tuple(throughput_gain(before_stats, w) for w in judged)
         if max(gains) >= -min_gain and min(gains) < -SPLIT_SLOWER * min_gain:
             return gains
         return ()
