@@ -888,16 +888,25 @@ def test_starved_with_free_cpus_measures_a_step_up_rather_than_predict_no_gain()
     assert decision.verdict == Verdict.DATA_BOUND_IO
 
 
-def test_a_step_up_to_measure_beside_a_neighbour_does_not_call_the_cpus_free():
+def test_no_step_up_to_measure_where_a_neighbour_keeps_the_cores_busy():
     # the noisy-neighbour benchmark's 4 workers beside a CPU hog on 2 cores: they use 1.3 of them, the hog most of
-    # the rest; a step up still takes the cores a larger share, but "the CPUs are not busy" would be untrue
+    # the rest. A step up sized by the loop's delivery would only take the hog's share, and oversubscribe the
+    # cores once it leaves (4 -> 7 there held 7 x 2 at 1.42x the best config's memory): the model decides
     stats = replace(window(30, 10), other_cpus=0.6, cpu_busy=1.0)
-    decision = decide(cfg(3), stats, Budget(max_workers=32, cpus=4))
-    assert decision.config == cfg(4) and decision.reason["sized_by"] == "delivery"
-    text = reason_text(decision.reason)
-    assert text.endswith("a step up to measure (this job leaves the CPUs free; other processes take 0.6)")
+    held = decide(cfg(3), stats, Budget(max_workers=32, cpus=4))
+    assert held.config == cfg(3) and held.reason.kind == ReasonKind.CPUS_SATURATED
+    words = reason_text(held.reason)
+    assert words.endswith("but the 4 CPUs are busy, other processes take 0.6 of them: holding 3 workers")
+    # cores with room beside the same neighbour: measured, and the words do not call the CPUs free of it
+    roomy = decide(cfg(3), replace(stats, cpu_busy=0.7), Budget(max_workers=32, cpus=4))
+    assert roomy.config == cfg(4) and roomy.reason["sized_by"] == "delivery"
+    assert reason_text(roomy.reason).endswith(
+        "a step up to measure (this job leaves the CPUs free; other processes take 0.6)"
+    )
     quiet = decide(cfg(3), replace(stats, other_cpus=0.1), Budget(max_workers=32, cpus=4))
     assert reason_text(quiet.reason).endswith("(the CPUs are not busy)")
+    unread = decide(cfg(3), replace(stats, other_cpus=None, cpu_busy=None), Budget(max_workers=32, cpus=4))
+    assert unread.config == cfg(4)  # a look's window, or no reading of the cores: measured as before
 
 
 def test_past_the_modelled_cpu_limit_an_unknown_cpu_share_is_measured_one_worker_at_a_time():

@@ -330,7 +330,7 @@ def _more_workers(v: dict[str, Any]) -> str:
         f", prefetch {v['prefetch']} -> {v['to_prefetch']} to fit memory" if v["to_prefetch"] != v["prefetch"] else ""
     )
     if v.get("sized_by") == "delivery":  # the model saw no gain; the loop's own delivery says try one step up
-        if "others" in v:  # the cores are busy, but not with this job's work: more workers take a larger share
+        if "others" in v:  # the cores have room, though other processes take some of them
             note += f", a step up to measure (this job leaves the CPUs free; other processes take {v['others']:.1f})"
         else:
             note += ", a step up to measure (the CPUs are not busy)"
@@ -426,7 +426,10 @@ _WORDS = {
     ),
     ReasonKind.OVERSUBSCRIBED: _oversubscribed,
     ReasonKind.CPUS_SATURATED: lambda v: (
-        f"{_starved(v)}, but {_workers(v['workers'])} already keep the {_cpus(v)} busy: the pipeline is CPU-bound"
+        f"{_starved(v)}, but the {v['cpus']:g} CPUs are busy, other processes take {v['others']:.1f} of them: holding "
+        f"{_workers(v['workers'])}"
+        if "others" in v
+        else f"{_starved(v)}, but {_workers(v['workers'])} already keep the {_cpus(v)} busy: the pipeline is CPU-bound"
         if v.get("cpu_bound", True)
         else f"{_starved(v)}, and {_workers(v['workers'])} are as many as the {_cpus(v)} are counted to take: holding"
     ),
@@ -441,7 +444,13 @@ _WORDS = {
     ReasonKind.NO_MODELLED_GAIN: lambda v: (
         f"{_starved(v)}; {_cost(v)}, and {_workers(v['wanted'])} would gain only {v['gain']:+.0%} on "
         f"{v['cpus']:g} CPUs: "
-        + ("the pipeline is CPU-bound" if v.get("cpu_bound", True) else "too little for a window to tell from noise")
+        + (
+            f"the cores are busy, other processes take {v['others']:.1f} of them"
+            if "others" in v
+            else "the pipeline is CPU-bound"
+            if v.get("cpu_bound", True)
+            else "too little for a window to tell from noise"
+        )
     ),
     ReasonKind.MEMORY_CAPPED_HOLD: lambda v: (
         f"{_starved(v)} with {_workers(v['workers'])} and wants {v['wanted']}, but even {_short(v['config'])} "
