@@ -1026,6 +1026,26 @@ def test_in_the_band_workers_the_cpus_cannot_carry_are_given_back():
     assert decide(cfg(7, 8), stats, Budget(max_workers=7, cpus=2)).config == cfg(7, 8)
 
 
+def test_in_the_band_a_loop_waiting_on_each_batchs_hand_over_gives_back_the_workers_it_does_not_need():
+    # the memory-heavy benchmark: 12 MB batches, 77 ms a worker's, a 21.5 ms step; 5 x 1 at 93 % busy with a batch
+    # ready at every fetch: the loop's 1.6 ms a fetch is the batch's hand-over out of shared memory, which the model
+    # has no term for (it sees 5 workers feed the step at 47 batches a second, the loop ran 43). 4 x 1 pays it alike
+    handed = replace(
+        window(1.6, 21.5, stall_fraction=0.0, worker_ms=77, cpu_fraction=0.05, batch_bytes=12 << 20),
+        fetch_wait_p50_s=0.0014,
+    )
+    budget = Budget(max_workers=7, cpus=2)
+    history = [record(0, cfg(5, 1), handed, cfg(5, 1))]
+    given = decide(cfg(5, 1), handed, budget, history)
+    assert given.config == cfg(4, 1) and given.reason.kind == ReasonKind.GIVE_BACK_WORKERS
+    assert given.verdict == Verdict.IN_BAND
+    # the same mean wait made of a few long stalls (most fetches found their batch at once) is not a hand-over:
+    # the model, seeing no starvation in a starved loop, does not explain the window, and nothing is given back
+    stalled = replace(handed, fetch_wait_p50_s=0.0, stalls=1)
+    held = decide(cfg(5, 1), stalled, budget, [record(0, cfg(5, 1), stalled, cfg(5, 1))])
+    assert held.config == cfg(5, 1)
+
+
 def test_in_the_band_fewer_workers_must_make_at_their_mean_cost_the_rate_measured():
     # 7 x 1 CPU-bound workers on 2 CPUs, 86 % busy, their batches spread wide (p95 2.8x the mean, contention's):
     # the in-order wait makes the model see 21 batches/s where the loop ran 40; against that, 1 worker (23/s,
