@@ -113,22 +113,22 @@ How :func:`decide` thinks, first rule that applies wins:
    model has no term for the hand-over in, is what 0 workers must keep, so a batch cheaper to make in the
    loop than to take from a worker goes back to 0 workers (a 0.5 ms batch behind a 20 ms step held 1 worker
    at 92 % busy, where 0 workers run at 98 %).
-8. **In the band**, or not clearly outside it: hold, with four exceptions. Window after window below
-   the band's low edge (four or more pooled, below it by twice their standard error) adds throughput
-   as in 5 where the step is expected to gain twice ``min_gain``. On CPUs measured busy with more
-   workers than they carry, the workers they carry (never fewer than could make the measured rate at
-   their CPU time alone), on two windows' evidence, where the training process was measured using less
-   than half a CPU: the model, sizing fewer workers from a batch's wall time that the contention
-   inflated, cannot see them make as much, the CPUs can (the cut is judged like a give-back of 7). At
-   the worker budget and starved, bursty stalls earn deeper prefetch as in 5. And where the loader
-   measured a batch's cost and CPU share and the model explains the window (it does not see more
-   throughput than was measured), the fewest workers that keep the same throughput by the rules of 7
-   (without the band's top) are the leanest config: workers the CPUs cannot carry go, on two windows'
-   evidence. The two that add throughput there are refinements, taken only where the fit lasts long enough
-   to pay for the rebuild twice over: at most the loop's wait a batch is won back, over the fit's batches
-   left, and a rebuild costs a loader start as measured plus one batch's making (the lead the loop had
-   refills); a deeper prefetch at the last quarter of a one-epoch fit held 1 point of utilization for a
-   rebuild that stalled its 25 batches at 62 % busy.
+8. **In the band**, or not clearly outside it: hold, with four exceptions. Window after window below the
+   band's low edge (four or more pooled, below it by twice their standard error) adds throughput as in 5
+   where the step is expected to gain twice ``min_gain``. On CPUs measured busy with more workers than they
+   carry, the workers they carry (never fewer than could make the measured rate at their CPU time alone),
+   on two windows' evidence, where the training process was measured using less than half a CPU: the model,
+   sizing fewer workers from a batch's wall time that the contention inflated, cannot see them make as
+   much, the CPUs can (the cut is judged like a give-back of 7). At the worker budget and starved, bursty
+   stalls earn deeper prefetch as in 5. And where the loader measured a batch's cost and CPU share and the
+   model explains the window (it does not see more throughput than was measured, or the loop waited only on
+   each batch's hand-over: a batch ready at nearly every fetch, every fetch waiting about alike), the
+   fewest workers that keep the same throughput by the rules of 7 (without the band's top) are the leanest
+   config: workers the CPUs cannot carry go, on two windows' evidence. The two that add throughput there
+   are refinements, taken only where the fit lasts long enough to pay for the rebuild twice over: at most
+   the loop's wait a batch is won back, over the fit's batches left, and a rebuild costs a loader start as
+   measured plus one batch's making (the lead the loop had refills); a deeper prefetch at the last quarter
+   of a one-epoch fit held 1 point of utilization for a rebuild that stalled its 25 batches at 62 % busy.
 
 **Verdicts follow the numbers.** *Data-bound (CPU saturated)* needs CPU evidence: the workers' measured
 CPU use (batches per second x their wall time per batch x its CPU share) plus the training process's
