@@ -786,7 +786,7 @@ def _busy_beside_a_neighbour(case: _Case) -> Optional[float]:
     (1.11 of its time), or measured -1 % and went back after an epoch at 888 samples/s against 1,250.
     """
     others, busy = case.stats.other_cpus, case.stats.cpu_busy
-    if others is None or busy is None or others < _NEIGHBOUR or busy < _SATURATED:
+    if case.cpu_bound or others is None or busy is None or others < _NEIGHBOUR or busy < _SATURATED:
         return None
     return others
 
