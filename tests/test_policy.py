@@ -1033,6 +1033,7 @@ def test_in_the_band_a_loop_waiting_on_each_batchs_hand_over_gives_back_the_work
     handed = replace(
         window(1.6, 21.5, stall_fraction=0.0, worker_ms=77, cpu_fraction=0.05, batch_bytes=12 << 20),
         fetch_wait_p50_s=0.0014,
+        main_cpu_fraction=0.1,  # the step a sleep, as an accelerator's: the training process waits on it
     )
     budget = Budget(max_workers=7, cpus=2)
     history = [record(0, cfg(5, 1), handed, cfg(5, 1))]
@@ -1044,6 +1045,11 @@ def test_in_the_band_a_loop_waiting_on_each_batchs_hand_over_gives_back_the_work
     stalled = replace(handed, fetch_wait_p50_s=0.0, stalls=1)
     held = decide(cfg(5, 1), stalled, budget, [record(0, cfg(5, 1), stalled, cfg(5, 1))])
     assert held.config == cfg(5, 1)
+    # nor beside a training process that holds a core itself (a step computed on the CPU, as the demo's): its own
+    # work shows in every fetch alike; the demo gave 5 -> 2 workers back there and ran 72 % busy until undone
+    for main in (0.9, None):
+        busy = replace(handed, main_cpu_fraction=main)
+        assert decide(cfg(5, 1), busy, budget, [record(0, cfg(5, 1), busy, cfg(5, 1))]).config == cfg(5, 1)
 
 
 def test_in_the_band_fewer_workers_must_make_at_their_mean_cost_the_rate_measured():
