@@ -282,13 +282,14 @@ def test_a_validation_start_sized_too_generously_is_given_back_by_its_own_runs(t
 
 @pytest.mark.slow
 def test_a_validation_run_of_two_batches_gets_no_more_than_two_workers(trainer_kwargs, caplog):
-    # training runs 4 workers; the validation set is 2 batches of 40 ms against a 1 ms step: the start sized from
-    # training (3-4 workers) and the training config itself would start workers that never get a batch (a loader
-    # hands a run's batches to its workers in turn from the first, every run)
+    # training runs 4 workers (60 ms batches against a 20 ms step: 3 at least); the validation set is 2 batches of
+    # 40 ms against a 1 ms step: the start sized from training (3-4 workers) and the training config itself would
+    # start workers that never get a batch (a loader hands a run's batches to its workers in turn from the first,
+    # every run)
     tuner = DataLoaderTuner(window_batches=10, window_seconds=0.2, max_workers=4)
     model = SleepStepModule(step_s=0.02, val_step_s=0.001, record_indices=True)
     data = SleepyDataModule(
-        train_length=TRAIN, val_length=8, batch_size=BATCH, batch_cost_s=0.04, val_batch_cost_s=0.04, num_workers=4
+        train_length=TRAIN, val_length=8, batch_size=BATCH, batch_cost_s=0.06, val_batch_cost_s=0.04, num_workers=4
     )
     trainer = pl.Trainer(callbacks=[tuner], **{**trainer_kwargs, "max_epochs": 2, "val_check_interval": 0.5})
     with caplog.at_level(logging.INFO):
@@ -298,5 +299,5 @@ def test_a_validation_run_of_two_batches_gets_no_more_than_two_workers(trainer_k
     assert runs[0].num_workers == 2 and all(r.num_workers <= 2 for r in runs)
     assert trainer.val_dataloaders.num_workers <= 2 and data.val_config.num_workers <= 2
     assert "a validation run of 2 batches gives work to no more (training runs" in caplog.text
-    assert data.loader_config.num_workers > 2  # training keeps the workers its 40 ms batches need
+    assert data.loader_config.num_workers > 2  # training keeps the workers its 60 ms batches need
     assert [sorted(ids) for ids in model.val_indices] == [list(range(8))] * 4
